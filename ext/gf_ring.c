@@ -1,0 +1,208 @@
+/* gf_ring.c: a single-producer / single-consumer byte ring in shared memory.
+ *
+ * Invariants (everything below holds for every ring at every instant):
+ *  1. Exactly one process writes records (the producer) and exactly one reads them
+ *     (the consumer). The control block and data[] live in one MAP_SHARED mapping.
+ *  2. capacity is a power of two, at least 64. write_pos and read_pos are byte counters
+ *     that only grow (they never wrap: 2^64 bytes is out of reach); the byte at counter
+ *     p lives at data[p & (capacity - 1)].
+ *  3. Only the producer stores write_pos, write_seq, data_futex and producer_sleeping;
+ *     only the consumer stores read_pos, read_seq, space_futex and consumer_sleeping.
+ *  4. 0 <= write_pos - read_pos <= capacity. A reader that sees otherwise reports
+ *     GF_ECOUNTERS: a third party scribbled on the control block.
+ *  5. A record is a 16-byte header {u32 magic = GF_RECORD_MAGIC, u32 length, u64 seq}
+ *     followed by `length` payload bytes, padded to a multiple of 8. It may wrap around
+ *     the end of data[]; it is then copied in two pieces. seq is 1 for the first record
+ *     and grows by exactly one per record.
+ *  6. Memory ordering: the producer copies the whole record, then publishes it with a
+ *     release store of write_pos; the consumer loads write_pos with acquire, copies the
+ *     record out, then frees the space with a release store of read_pos. So a record is
+ *     never visible half-written to a correct peer, and space is never reused while the
+ *     consumer still copies from it.
+ *  7. A torn or corrupt record (bad magic, a length that cannot fit in what was
+ *     published, a seq that is not read_seq + 1) is reported (GF_EMAGIC, GF_ELENGTH,
+ *     GF_ESEQ) and NOT consumed: read_pos stays put, so the caller can report it and
+ *     tear the ring down. A full ring never overwrites: the writer waits, then times out.
+ *  8. Sleeping: a waiter spins `spin` times, then sets its *_sleeping flag, re-checks the
+ *     condition after a seq_cst fence, and FUTEX_WAITs on the peer's futex word with the
+ *     value it read before the check. The peer bumps that word (seq_cst) after each
+ *     publish and wakes only when the flag is set. Either the waiter's re-check sees the
+ *     publish or the peer sees the flag, so no wake-up is lost. The futex is not
+ *     FUTEX_PRIVATE because the two parties are different processes.
+ */
+#include "gf_ring.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <stddef.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define LOAD_RLX(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define STORE_RLX(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Sleep until *word != expected, a wake-up, or the deadline (-1: none). */
+static void futex_wait(uint32_t *word, uint32_t expected, int64_t deadline) {
+    struct timespec rel, *relp = NULL;
+    if (deadline >= 0) {
+        int64_t left = deadline - now_ns();
+        if (left <= 0) return;
+        rel.tv_sec = left / 1000000000LL;
+        rel.tv_nsec = left % 1000000000LL;
+        relp = &rel;
+    }
+    syscall(SYS_futex, word, FUTEX_WAIT, expected, relp, NULL, 0);
+}
+
+static void futex_wake(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0); }
+
+uint64_t gf_ring_control_size(void) { return offsetof(gf_ring, data); }
+
+int gf_ring_init(gf_ring *ring, uint64_t capacity, uint32_t spin) {
+    if (capacity < 64 || (capacity & (capacity - 1)) != 0) return GF_EINVAL;
+    memset(ring, 0, offsetof(gf_ring, data));
+    ring->capacity = capacity;
+    ring->spin = spin;
+    STORE_REL(&ring->magic, GF_RING_MAGIC);
+    return GF_OK;
+}
+
+int gf_ring_check(const gf_ring *ring, uint64_t capacity) {
+    if (LOAD_ACQ(&ring->magic) != GF_RING_MAGIC) return GF_EMAGIC;
+    if (ring->capacity != capacity) return GF_EINVAL;
+    return GF_OK;
+}
+
+uint64_t gf_ring_pending(const gf_ring *ring) {
+    return LOAD_ACQ(&ring->write_pos) - LOAD_ACQ(&ring->read_pos);
+}
+
+static void copy_in(gf_ring *ring, uint64_t pos, const void *src, uint64_t len) {
+    uint64_t mask = ring->capacity - 1, off = pos & mask, first = ring->capacity - off;
+    if (first > len) first = len;
+    memcpy(ring->data + off, src, first);
+    if (len > first) memcpy(ring->data, (const uint8_t *)src + first, len - first);
+}
+
+static void copy_out(const gf_ring *ring, uint64_t pos, void *dst, uint64_t len) {
+    uint64_t mask = ring->capacity - 1, off = pos & mask, first = ring->capacity - off;
+    if (first > len) first = len;
+    memcpy(dst, ring->data + off, first);
+    if (len > first) memcpy((uint8_t *)dst + first, ring->data, len - first);
+}
+
+int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void *body,
+                  uint32_t body_len, int64_t timeout_ns) {
+    uint64_t cap = ring->capacity;
+    uint64_t length = (uint64_t)head_len + body_len;
+    uint64_t need = GF_RECORD_HEADER + align8(length);
+    if (length > 0xffffffffu || need > cap) return GF_ETOOBIG;
+    uint64_t wpos = LOAD_RLX(&ring->write_pos);
+    int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+    uint32_t spins = 0;
+    for (;;) {
+        uint32_t seen = LOAD_ACQ(&ring->space_futex);
+        uint64_t used = wpos - LOAD_ACQ(&ring->read_pos);
+        if (used > cap) return GF_ECOUNTERS;
+        if (cap - used >= need) break;
+        if (spins < ring->spin) {
+            spins++;
+            cpu_relax();
+            continue;
+        }
+        if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
+        STORE_RLX(&ring->producer_sleeping, 1);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        used = wpos - LOAD_ACQ(&ring->read_pos);
+        if (used <= cap && cap - used >= need) {
+            STORE_RLX(&ring->producer_sleeping, 0);
+            break;
+        }
+        futex_wait(&ring->space_futex, seen, deadline);
+        STORE_RLX(&ring->producer_sleeping, 0);
+    }
+    uint64_t seq = LOAD_RLX(&ring->write_seq) + 1;
+    uint32_t hdr[4];
+    hdr[0] = GF_RECORD_MAGIC;
+    hdr[1] = (uint32_t)length;
+    memcpy(&hdr[2], &seq, sizeof seq);
+    copy_in(ring, wpos, hdr, GF_RECORD_HEADER);
+    if (head_len) copy_in(ring, wpos + GF_RECORD_HEADER, head, head_len);
+    if (body_len) copy_in(ring, wpos + GF_RECORD_HEADER + head_len, body, body_len);
+    STORE_RLX(&ring->write_seq, seq);
+    STORE_REL(&ring->write_pos, wpos + need);
+    __atomic_fetch_add(&ring->data_futex, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&ring->consumer_sleeping, __ATOMIC_SEQ_CST)) futex_wake(&ring->data_futex);
+    return GF_OK;
+}
+
+int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout_ns,
+                     uint64_t *needed) {
+    uint64_t cap = ring->capacity;
+    uint64_t rpos = LOAD_RLX(&ring->read_pos);
+    int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+    uint32_t spins = 0;
+    uint64_t avail;
+    for (;;) {
+        uint32_t seen = LOAD_ACQ(&ring->data_futex);
+        avail = LOAD_ACQ(&ring->write_pos) - rpos;
+        if (avail > cap) return GF_ECOUNTERS;
+        if (avail > 0) break;
+        if (spins < ring->spin) {
+            spins++;
+            cpu_relax();
+            continue;
+        }
+        if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
+        STORE_RLX(&ring->consumer_sleeping, 1);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        avail = LOAD_ACQ(&ring->write_pos) - rpos;
+        if (avail != 0) {
+            STORE_RLX(&ring->consumer_sleeping, 0);
+            if (avail > cap) return GF_ECOUNTERS;
+            break;
+        }
+        futex_wait(&ring->data_futex, seen, deadline);
+        STORE_RLX(&ring->consumer_sleeping, 0);
+    }
+    if (avail < GF_RECORD_HEADER) return GF_ELENGTH;
+    uint32_t hdr[4];
+    uint64_t seq;
+    copy_out(ring, rpos, hdr, GF_RECORD_HEADER);
+    memcpy(&seq, &hdr[2], sizeof seq);
+    if (hdr[0] != GF_RECORD_MAGIC) return GF_EMAGIC;
+    uint64_t length = hdr[1];
+    uint64_t need = GF_RECORD_HEADER + align8(length);
+    if (need > avail) return GF_ELENGTH;
+    if (seq != LOAD_RLX(&ring->read_seq) + 1) return GF_ESEQ;
+    if (length > out_cap) {
+        if (needed) *needed = length;
+        return GF_ETOOSMALL;
+    }
+    copy_out(ring, rpos + GF_RECORD_HEADER, out, length);
+    STORE_RLX(&ring->read_seq, seq);
+    STORE_REL(&ring->read_pos, rpos + need);
+    __atomic_fetch_add(&ring->space_futex, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&ring->producer_sleeping, __ATOMIC_SEQ_CST)) futex_wake(&ring->space_futex);
+    return (int64_t)length;
+}

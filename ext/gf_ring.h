@@ -1,0 +1,49 @@
+/* gf_ring.h: declarations shared by gf_ring.c and the cffi build (ext/build_ring.py). */
+#ifndef GF_RING_H
+#define GF_RING_H
+#include <stdint.h>
+
+#define GF_OK 0
+#define GF_ETIMEDOUT -1      /* nothing arrived / no space freed before the deadline */
+#define GF_ETOOSMALL -2      /* the caller's buffer is too small; *needed says how big */
+#define GF_EMAGIC -3         /* record header magic is wrong: torn or foreign bytes */
+#define GF_ELENGTH -4        /* record length is impossible for this ring */
+#define GF_ESEQ -5           /* record sequence number is not the expected next one */
+#define GF_ETOOBIG -6        /* record can never fit in this ring */
+#define GF_ECOUNTERS -7      /* the shared positions are inconsistent (written by a third party) */
+#define GF_EINVAL -8         /* bad arguments (capacity not a power of two, ...) */
+
+#define GF_RING_MAGIC 0x47465247u   /* "GRFG": the control block is initialised */
+#define GF_RECORD_MAGIC 0x52454331u /* "1CER": starts every record */
+#define GF_RECORD_HEADER 16u
+
+typedef struct gf_ring {
+    /* producer-owned cache line */
+    uint64_t write_pos;
+    uint64_t write_seq;
+    uint32_t data_futex;        /* bumped by the producer after every publish */
+    uint32_t producer_sleeping; /* set by the producer while it waits for space */
+    uint8_t _pad0[40];
+    /* consumer-owned cache line */
+    uint64_t read_pos;
+    uint64_t read_seq;
+    uint32_t space_futex;       /* bumped by the consumer after every consume */
+    uint32_t consumer_sleeping; /* set by the consumer while it waits for data */
+    uint8_t _pad1[40];
+    /* set once by gf_ring_init, read-only afterwards */
+    uint32_t magic;
+    uint32_t spin;              /* busy-wait iterations before sleeping on the futex */
+    uint64_t capacity;          /* bytes in data[], a power of two */
+    uint8_t _pad2[48];
+    uint8_t data[];
+} gf_ring;
+
+uint64_t gf_ring_control_size(void);
+int gf_ring_init(gf_ring *ring, uint64_t capacity, uint32_t spin);
+int gf_ring_check(const gf_ring *ring, uint64_t capacity);
+int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void *body,
+                  uint32_t body_len, int64_t timeout_ns);
+int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout_ns,
+                     uint64_t *needed);
+uint64_t gf_ring_pending(const gf_ring *ring);
+#endif

@@ -1,0 +1,38 @@
+"""gym_fork: branch running Gymnasium environments.
+
+``ForkVectorEnv`` is a drop-in ``gymnasium.vector.AsyncVectorEnv`` whose sub-envs run
+in sandboxes forked from a warm parent, talking over shared-memory rings.
+"""
+
+from gym_fork.errors import (
+    BadActionError,
+    BadObservationError,
+    EncodeError,
+    GymForkError,
+    SandboxStartError,
+    SubEnvCrashed,
+    TransportError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadActionError",
+    "BadObservationError",
+    "EncodeError",
+    "ForkVectorEnv",
+    "GymForkError",
+    "SandboxStartError",
+    "SubEnvCrashed",
+    "TransportError",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: the warm parent imports gym_fork.* without paying for the vector env.
+    if name == "ForkVectorEnv":
+        from gym_fork.vector.fork_vector_env import ForkVectorEnv
+
+        return ForkVectorEnv
+    raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")

@@ -1,0 +1,70 @@
+"""Typed errors raised by gym_fork, each with a stable ``code``."""
+
+from __future__ import annotations
+
+
+class GymForkError(Exception):
+    """Base class of every error gym_fork raises on its own behalf."""
+
+    code = "gym_fork"
+
+
+class TransportError(GymForkError):
+    """A ring record was corrupt, torn, oversize or out of sequence.
+
+    ``worker`` names the sandbox whose ring misbehaved; ``reason`` is the ring's
+    own diagnosis (``magic``, ``length``, ``sequence``, ``counters``, ``too_big``).
+    """
+
+    code = "transport"
+
+    def __init__(self, message: str, *, worker: str | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.reason = reason
+
+
+class RingTimeout(GymForkError):
+    """Nothing arrived on (or no space freed in) a ring before the deadline."""
+
+    code = "ring_timeout"
+
+
+class SandboxStartError(GymForkError):
+    """A warm parent or worker sandbox could not be started."""
+
+    code = "sandbox_start"
+
+
+class SubEnvCrashed(GymForkError):
+    """A sub-environment's sandbox died (signal, exit or kill) while serving a call.
+
+    ``indices`` are the sub-env indices that lived in the dead sandbox; ``exitcode``
+    is negative for a signal, as in :mod:`subprocess`.
+    """
+
+    code = "subenv_crashed"
+
+    def __init__(self, message: str, *, indices: list[int], pid: int | None, exitcode=None):
+        super().__init__(message)
+        self.indices = indices
+        self.pid = pid
+        self.exitcode = exitcode
+
+
+class BadActionError(GymForkError, ValueError):
+    """The batch of actions does not fit the vector env's action space."""
+
+    code = "bad_action"
+
+
+class BadObservationError(GymForkError, ValueError):
+    """A sub-environment returned an observation that does not fit its space."""
+
+    code = "bad_observation"
+
+
+class EncodeError(GymForkError, TypeError):
+    """A value (an info entry, a call result) could not be encoded for the ring."""
+
+    code = "encode"

@@ -1,0 +1,76 @@
+"""Small Linux process primitives used by the hosts (prctl, pidfd, exit status)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def prctl(option: int, value: int) -> None:
+    """Call prctl(2); raise OSError on failure."""
+    if _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != expected_parent:
+        os._exit(70)
+
+
+class ProcessWatch:
+    """Liveness of a process that is not our child, through a pidfd."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.fd = -1
+
+    def alive(self) -> bool:
+        if self.fd < 0:
+            return False
+        readable, _, _ = select.select([self.fd], [], [], 0)
+        return not readable
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.fd >= 0:
+            try:
+                signal.pidfd_send_signal(self.fd, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait_dead(self, timeout: float) -> bool:
+        """True once the process has exited (within ``timeout`` seconds)."""
+        if self.fd < 0:
+            return True
+        readable, _, _ = select.select([self.fd], [], [], timeout)
+        return bool(readable)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def describe_status(status: int | None) -> str:
+    """Human text for a waitpid status or a subprocess-style exit code."""
+    if status is None:
+        return "exit status unknown"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with code {status}"

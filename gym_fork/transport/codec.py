@@ -1,0 +1,70 @@
+"""msgpack encoding of the values that cross a ring: headers, infos, call results.
+
+msgpack carries dicts, lists, str, bytes, ints, floats, bools and None natively. Types
+it would silently change are tagged with ext types so that a value decodes to what was
+encoded: tuples stay tuples, numpy arrays and scalars keep dtype and shape (their bytes
+travel raw, not element by element). Anything else falls back to cloudpickle; a value
+that cannot be pickled either raises :class:`EncodeError` naming its type.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import cloudpickle
+import msgpack
+import numpy as np
+
+from gym_fork.errors import EncodeError
+
+EXT_NDARRAY = 1
+EXT_TUPLE = 2
+EXT_NPSCALAR = 3
+EXT_PICKLE = 4
+
+_META = struct.Struct("<I")
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if type(obj) is tuple:
+        return msgpack.ExtType(EXT_TUPLE, pack(list(obj)))
+    if isinstance(obj, np.ndarray) and obj.dtype.hasobject is False:
+        meta = msgpack.packb((obj.dtype.str, obj.shape))
+        data = np.ascontiguousarray(obj).tobytes()
+        return msgpack.ExtType(EXT_NDARRAY, _META.pack(len(meta)) + meta + data)
+    if isinstance(obj, np.generic) and obj.dtype.hasobject is False:
+        return msgpack.ExtType(EXT_NPSCALAR, obj.dtype.str.encode() + b"\0" + obj.tobytes())
+    try:
+        return msgpack.ExtType(EXT_PICKLE, cloudpickle.dumps(obj))
+    except Exception as exc:
+        raise EncodeError(
+            f"cannot send a value of type {type(obj).__qualname__} across the ring: "
+            f"msgpack does not carry it and pickling failed ({exc})"
+        ) from exc
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_TUPLE:
+        return tuple(unpack(data))
+    if code == EXT_NDARRAY:
+        (meta_len,) = _META.unpack_from(data)
+        dtype, shape = msgpack.unpackb(data[4 : 4 + meta_len])
+        raw = data[4 + meta_len :]
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+    if code == EXT_NPSCALAR:
+        dtype, _, raw = data.partition(b"\0")
+        return np.frombuffer(raw, dtype=np.dtype(dtype.decode()))[0]
+    if code == EXT_PICKLE:
+        return cloudpickle.loads(data)
+    return msgpack.ExtType(code, data)
+
+
+def pack(value: Any) -> bytes:
+    """Encode ``value`` (see the module docstring for what survives exactly)."""
+    return msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
+
+
+def unpack(data) -> Any:
+    """Decode bytes produced by :func:`pack`."""
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)

@@ -1,0 +1,47 @@
+"""Anonymous shared-memory regions (memfd): nothing is ever left in /dev/shm."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+
+class Region:
+    """A memfd-backed MAP_SHARED mapping, shareable with other processes by its fd.
+
+    The creator and every process that receives ``fd`` (fork or SCM_RIGHTS) see the
+    same bytes. The kernel frees the memory when the last fd and mapping are gone.
+    """
+
+    def __init__(self, size: int, *, name: str = "gym_fork", fd: int | None = None) -> None:
+        self.size = size
+        if fd is None:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    @classmethod
+    def attach(cls, fd: int, size: int) -> Region:
+        """Map an existing region received as ``fd``."""
+        return cls(size, fd=fd)
+
+    def resize(self, size: int) -> None:
+        """Grow the region (both the file and this mapping)."""
+        os.ftruncate(self.fd, size)
+        self.map.close()
+        self.size = size
+        self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def close(self) -> None:
+        """Unmap and close the fd. Views into the mapping must be dropped first."""
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                # Someone still exports a view (a numpy array): leave the mapping to the GC.
+                pass
+            self.map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

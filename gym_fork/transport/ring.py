@@ -1,0 +1,132 @@
+"""Python face of the C ring (ext/gf_ring.c): records in, records out, typed errors."""
+
+from __future__ import annotations
+
+from gym_fork._ring import ffi, lib
+from gym_fork.errors import RingTimeout, TransportError
+
+from .region import Region
+
+CONTROL_BYTES = int(lib.gf_ring_control_size())
+RECORD_HEADER = int(lib.GF_RECORD_HEADER)
+DEFAULT_SPIN = 2000
+
+_REASONS = {
+    lib.GF_EMAGIC: "magic",
+    lib.GF_ELENGTH: "length",
+    lib.GF_ESEQ: "sequence",
+    lib.GF_ECOUNTERS: "counters",
+    lib.GF_ETOOBIG: "too_big",
+    lib.GF_EINVAL: "invalid",
+}
+
+
+def ring_bytes(capacity: int) -> int:
+    """Bytes one ring of ``capacity`` data bytes occupies in a region."""
+    return CONTROL_BYTES + capacity
+
+
+def _timeout_ns(timeout: float | None) -> int:
+    return -1 if timeout is None else max(0, int(timeout * 1e9))
+
+
+class Ring:
+    """One direction of a channel: a single-producer, single-consumer record ring.
+
+    ``create=True`` initialises the control block (done once, by the side that
+    allocates the region); the peer attaches with ``create=False``. ``name`` is
+    used in error messages, e.g. ``"worker 3 replies"``.
+    """
+
+    def __init__(
+        self,
+        region: Region,
+        offset: int,
+        capacity: int,
+        *,
+        create: bool,
+        name: str,
+        spin: int = DEFAULT_SPIN,
+    ) -> None:
+        if offset + ring_bytes(capacity) > region.size:
+            raise ValueError(f"ring {name!r} does not fit in its region")
+        self.name = name
+        self.capacity = capacity
+        self._base = ffi.from_buffer(region.map)
+        self._ring = ffi.cast("gf_ring *", self._base + offset)
+        if create:
+            rc = lib.gf_ring_init(self._ring, capacity, spin)
+        else:
+            rc = lib.gf_ring_check(self._ring, capacity)
+        if rc != lib.GF_OK:
+            raise TransportError(
+                f"ring {name!r}: control block is not initialised for capacity {capacity}",
+                worker=name,
+                reason=_REASONS.get(rc, str(rc)),
+            )
+        self._out = bytearray(4096)
+        self._out_c = ffi.from_buffer(self._out)
+        self._needed = ffi.new("uint64_t *")
+
+    def write(self, head: bytes, body=b"", timeout: float | None = None) -> None:
+        """Append one record (``head`` then ``body``); wait while the ring is full."""
+        body_len = len(body) if not hasattr(body, "nbytes") else body.nbytes
+        body_ptr = ffi.from_buffer(body) if body_len else ffi.NULL
+        rc = lib.gf_ring_write(
+            self._ring, head, len(head), body_ptr, body_len, _timeout_ns(timeout)
+        )
+        if rc == lib.GF_OK:
+            return
+        if rc == lib.GF_ETIMEDOUT:
+            raise RingTimeout(f"ring {self.name!r} stayed full for {timeout} s")
+        if rc == lib.GF_ETOOBIG:
+            raise TransportError(
+                f"ring {self.name!r}: a record of {len(head) + body_len} bytes can never fit "
+                f"in a ring of {self.capacity} bytes (raise ring_bytes=)",
+                worker=self.name,
+                reason="too_big",
+            )
+        raise self._corrupt(rc)
+
+    def read(self, timeout: float | None = None) -> memoryview:
+        """Take the next record; the view is valid until the next ``read``."""
+        while True:
+            n = lib.gf_ring_read(
+                self._ring, self._out_c, len(self._out), _timeout_ns(timeout), self._needed
+            )
+            if n >= 0:
+                return memoryview(self._out)[:n]
+            if n == lib.GF_ETOOSMALL:
+                self._grow(int(self._needed[0]))
+                continue
+            if n == lib.GF_ETIMEDOUT:
+                raise RingTimeout(f"ring {self.name!r}: nothing arrived within {timeout} s")
+            raise self._corrupt(n)
+
+    def pending(self) -> int:
+        """Bytes written and not yet read (headers and padding included)."""
+        return int(lib.gf_ring_pending(self._ring))
+
+    def release(self) -> None:
+        """Drop the buffer export on the region so that it can be unmapped."""
+        if self._base is not None:
+            ffi.release(self._base)
+            self._base = None
+            self._ring = None
+
+    def _grow(self, needed: int) -> None:
+        size = len(self._out)
+        while size < needed:
+            size *= 2
+        ffi.release(self._out_c)
+        self._out = bytearray(size)
+        self._out_c = ffi.from_buffer(self._out)
+
+    def _corrupt(self, rc: int) -> TransportError:
+        reason = _REASONS.get(rc, str(rc))
+        return TransportError(
+            f"ring {self.name!r}: corrupt record ({reason}); the peer wrote bytes that are "
+            "not a valid gym_fork record",
+            worker=self.name,
+            reason=reason,
+        )

@@ -1,0 +1,725 @@
+"""ForkVectorEnv: a drop-in ``gymnasium.vector.AsyncVectorEnv`` on forked sandboxes.
+
+Sub-envs run in worker sandboxes forked from a warm parent (see ``gym_fork.hosts``);
+requests and replies cross shared-memory rings, and observations, actions, rewards and
+done flags live in a shared batch slab, so a step moves no array through a pipe.
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium import Env, Space, logger
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.async_vector_env import AsyncState
+from gymnasium.vector.utils import (
+    batch_differing_spaces,
+    batch_space,
+    concatenate,
+    create_empty_array,
+    iterate,
+)
+
+from gym_fork.errors import BadActionError, RingTimeout, SubEnvCrashed
+from gym_fork.hosts.linux import describe_status
+from gym_fork.hosts.process.host import ProcessHost, WorkerHandle
+from gym_fork.transport.channel import DEFAULT_RING_BYTES
+from gym_fork.transport.codec import pack
+from gym_fork.transport.slab import Slab, slab_node
+from gym_fork.worker import protocol as P
+
+__all__ = ["ForkVectorEnv"]
+
+# How often a wait checks that the worker it waits on is still alive.
+_LIVENESS_SLICE = 0.1
+
+
+class _Deadline:
+    def __init__(self, timeout: float | None) -> None:
+        self.end = None if timeout is None else time.perf_counter() + timeout
+
+    def slice(self) -> float | None:
+        """Seconds to wait before the next liveness check; 0 when past the deadline."""
+        if self.end is None:
+            return _LIVENESS_SLICE
+        return max(0.0, min(_LIVENESS_SLICE, self.end - time.perf_counter()))
+
+    def expired(self) -> bool:
+        return self.end is not None and time.perf_counter() >= self.end
+
+
+class _WaitTimeout(Exception):
+    pass
+
+
+class ForkVectorEnv(VectorEnv):
+    """Vectorized environment whose sub-envs run in forked, warm sandboxes.
+
+    Accepts every argument of :class:`gymnasium.vector.AsyncVectorEnv` and behaves the
+    same, with these documented differences (see docs/compatibility.md):
+
+    - ``context`` and ``daemon`` are accepted and recorded but have no effect: sandboxes
+      are forked from a clean warm parent process and always die with their controller.
+    - A failing sub-env does not break the vector env: the error is raised (with the
+      sub-env index and the worker's traceback attached as a note) and a later call
+      works; ``reset()`` replaces sandboxes that died.
+    - After a ``*_wait`` timeout the late replies are discarded, so the next call returns
+      its own results.
+
+    Extra keyword arguments:
+        envs_per_worker: sub-envs hosted by one worker sandbox (default 1: one sandbox
+            per sub-env). Several per worker means fewer processes and context switches.
+        ring_bytes: capacity of each direction of a worker's ring (a power of two).
+        check_actions: reject integer actions outside a Discrete/MultiDiscrete/MultiBinary
+            space before they reach the sub-envs (default True).
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Env]],
+        shared_memory: bool = True,
+        copy: bool = True,
+        context: str | None = None,
+        daemon: bool = True,
+        worker: Callable | None = None,
+        observation_mode: str | Space | tuple[Space, Space] = "same",
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        max_concurrency: int | None = None,
+        *,
+        envs_per_worker: int = 1,
+        ring_bytes: int = DEFAULT_RING_BYTES,
+        check_actions: bool = True,
+    ) -> None:
+        self.env_fns = env_fns
+        self.shared_memory = shared_memory
+        self.copy = copy
+        self.context = context
+        self.daemon = daemon
+        self.worker = worker
+        self.observation_mode = observation_mode
+        self.autoreset_mode = (
+            autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode)
+        )
+        if max_concurrency is not None:
+            if not isinstance(max_concurrency, int | np.integer):
+                raise ValueError(
+                    f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}."
+                )
+            if max_concurrency < 1:
+                raise ValueError(
+                    f"`max_concurrency` must be a positive or None, got {max_concurrency}."
+                )
+        self.max_concurrency = max_concurrency
+        if worker is not None:
+            raise ValueError(
+                "ForkVectorEnv does not run custom pipe-based `worker` functions: its workers "
+                "speak over shared-memory rings. Use gymnasium.vector.AsyncVectorEnv for a "
+                "custom worker."
+            )
+        if envs_per_worker < 1:
+            raise ValueError(f"`envs_per_worker` must be >= 1, got {envs_per_worker}")
+        if ring_bytes < 4096 or ring_bytes & (ring_bytes - 1):
+            raise ValueError(f"`ring_bytes` must be a power of two >= 4096, got {ring_bytes}")
+
+        self.num_envs = len(env_fns)
+        if self.num_envs == 0:
+            raise ValueError("ForkVectorEnv needs at least one env_fn")
+        self.envs_per_worker = envs_per_worker
+        self.ring_bytes = ring_bytes
+        self.check_actions = check_actions
+        self._state = AsyncState.DEFAULT
+        self._seq = 0
+        self._workers: list[WorkerHandle] = []
+        self._slab: Slab | None = None
+        self._host: ProcessHost | None = None
+        self._slab_fd = -1
+        self.closed = False
+        try:
+            self._start()
+        except BaseException:
+            self._teardown(terminate=True)
+            self.closed = True
+            raise
+
+    # -- construction ---------------------------------------------------------------
+    def _start(self) -> None:
+        self._host = ProcessHost(self.env_fns)
+        self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC)
+        groups = [
+            list(range(start, min(start + self.envs_per_worker, self.num_envs)))
+            for start in range(0, self.num_envs, self.envs_per_worker)
+        ]
+        self._workers = [self._spawn(indices) for indices in groups]
+        hellos = [self._receive_hello(w) for w in self._workers]
+
+        first = hellos[0]
+        metadata = cloudpickle.loads(first["metadata"])
+        self.metadata = dict(metadata)
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = first["render_mode"]
+        obs_spaces = [s for h in hellos for s in cloudpickle.loads(h["observation_spaces"])]
+        act_spaces = [s for h in hellos for s in cloudpickle.loads(h["action_spaces"])]
+        self.single_action_space = act_spaces[0]
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+
+        mode = self.observation_mode
+        if isinstance(mode, tuple) and len(mode) == 2:
+            if not isinstance(mode[0], Space) or not isinstance(mode[1], Space):
+                raise TypeError(
+                    "Expected both elements of observation_mode to be Spaces, got "
+                    f"{type(mode[0])} and {type(mode[1])}"
+                )
+            self.observation_space, self.single_observation_space = mode
+            check_mode = "custom"
+        elif mode == "same":
+            self.single_observation_space = obs_spaces[0]
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+            check_mode = "same"
+        elif mode == "different":
+            self.single_observation_space = obs_spaces[0]
+            self.observation_space = batch_differing_spaces(obs_spaces)
+            check_mode = "different"
+        else:
+            raise ValueError(
+                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+                f"and batch observation space, actual got {mode}"
+            )
+
+        if self.shared_memory and slab_node(self.single_observation_space, 1) is None:
+            raise ValueError(
+                "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable "
+                "this feature with `shared_memory=False` however this is slower. "
+                f"(ForkVectorEnv: {self.single_observation_space} has no fixed-size layout.)"
+            )
+        self._slab = Slab(
+            self.single_observation_space,
+            self.single_action_space,
+            self.num_envs,
+            use_observations=self.shared_memory,
+            region_fd=self._slab_fd,
+            owner=True,
+        )
+        self._slab_fd = -1  # owned by the slab's region now
+        if self.shared_memory:
+            self.observations = self._slab.observations.batch()
+        else:
+            self.observations = create_empty_array(
+                self.single_observation_space, n=self.num_envs, fn=np.zeros
+            )
+        self._step_ints = self._integer_action_leaves() if self.check_actions else []
+        checks = self._attach_all(check_mode)
+        same_obs = [c[0] for c in checks]
+        same_act = [c[1] for c in checks]
+        if not all(same_obs):
+            if mode == "same":
+                raise RuntimeError(
+                    "AsyncVectorEnv(..., observation_mode='same') however some of the "
+                    "sub-environments observation spaces are not equivalent. If this is "
+                    "intentional, use `observation_mode='different'` instead."
+                )
+            raise RuntimeError(
+                "AsyncVectorEnv(..., observation_mode='different' or custom space) however the "
+                "sub-environment's observation spaces do not share a common shape and dtype."
+            )
+        if not all(same_act):
+            raise RuntimeError(
+                f"Some environments have an action space different from "
+                f"`{self.single_action_space}`. In order to batch actions, the action spaces "
+                "from all environments must be equal."
+            )
+
+    def _spawn(self, indices: list[int]) -> WorkerHandle:
+        name = f"sub-env {indices[0]}" if len(indices) == 1 else f"sub-envs {indices}"
+        fd = self._slab_fd if self._slab is None else self._slab.region.fd
+        return self._host.spawn(name, indices, fd, self.ring_bytes)
+
+    def _receive_hello(self, worker: WorkerHandle) -> dict[str, Any]:
+        op, _seq, info, errors = self._receive(worker, _Deadline(None), P.HELLO)
+        if errors:
+            self._raise_errors(errors, building=True)
+        worker.info = info
+        return info
+
+    def _attach_all(self, check_mode: str) -> list[list[bool]]:
+        arg = {
+            "observation_space": cloudpickle.dumps(self.single_observation_space),
+            "action_space": cloudpickle.dumps(self.single_action_space),
+            "observation_mode": check_mode,
+            "autoreset_mode": self.autoreset_mode.value,
+            "num_envs": self.num_envs,
+            "shared_memory": self.shared_memory,
+        }
+        self._send_all(P.ATTACH, [arg] * len(self._workers))
+        replies = self._collect(None, P.ATTACH)
+        return [check for reply in replies for check in reply]
+
+    def _integer_action_leaves(self) -> list[tuple[Any, np.ndarray]]:
+        from gymnasium import spaces
+
+        leaves = []
+
+        def walk(space, node):
+            if isinstance(node, dict) or type(node).__name__ == "_DictNode":
+                for key, child in node.children.items():
+                    walk(space[key], child)
+            elif type(node).__name__ == "_TupleNode":
+                for sub, child in zip(space.spaces, node.children, strict=True):
+                    walk(sub, child)
+            elif type(space) is spaces.Discrete:
+                leaves.append((space, space.start, space.start + space.n - 1, node))
+            elif type(space) is spaces.MultiDiscrete:
+                leaves.append((space, space.start, space.start + space.nvec - 1, node))
+            elif type(space) is spaces.MultiBinary:
+                leaves.append((space, 0, 1, node))
+
+        if self._slab.actions is not None:
+            walk(self.single_action_space, self._slab.actions)
+        return leaves
+
+    # -- properties -----------------------------------------------------------------
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:
+        """Returns a tuple of np_random seeds for all the wrapped envs."""
+        return self.get_attr("np_random_seed")
+
+    @property
+    def np_random(self) -> tuple[np.random.Generator, ...]:
+        """Returns the tuple of the numpy random number generators for the wrapped envs."""
+        return self.get_attr("np_random")
+
+    @property
+    def isolation(self) -> dict[str, Any]:
+        """The isolation this vector env's host actually achieved."""
+        return self._host.isolation if self._host is not None else {}
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker sandboxes, in sub-env order of their first index."""
+        return [w.pid for w in self._workers]
+
+    # -- reset ----------------------------------------------------------------------
+    def reset(
+        self,
+        *,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset all (or the ``options['reset_mask']``) sub-envs; see AsyncVectorEnv."""
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    def reset_async(
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Send the reset requests; collect them with :meth:`reset_wait`."""
+        self._assert_is_running()
+        if seed is None:
+            seed = [None for _ in range(self.num_envs)]
+        elif isinstance(seed, int):
+            seed = [seed + i for i in range(self.num_envs)]
+        if len(seed) != self.num_envs:
+            raise ValueError(
+                "If seeds are passed as a list the length must match "
+                f"num_envs={self.num_envs} but got length={len(seed)}."
+            )
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `reset_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete",
+                str(self._state.value),
+            )
+        mask = np.ones(self.num_envs, dtype=np.bool_)
+        if options is not None and "reset_mask" in options:
+            options = dict(options)
+            reset_mask = options.pop("reset_mask")
+            if not isinstance(reset_mask, np.ndarray):
+                raise TypeError(
+                    f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}"
+                )
+            if reset_mask.shape != (self.num_envs,):
+                raise ValueError(
+                    f"`options['reset_mask']` must have shape `({self.num_envs},)`, "
+                    f"got {reset_mask.shape}"
+                )
+            if reset_mask.dtype != np.bool_:
+                raise TypeError(
+                    f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}"
+                )
+            if not np.any(reset_mask):
+                raise ValueError(
+                    "`options['reset_mask']` must contain a boolean array with at least one "
+                    f"True value, got reset_mask={reset_mask}"
+                )
+            mask = reset_mask
+        self._replace_dead_workers()
+        args = [
+            [[seed[i], options, bool(mask[i])] for i in w.indices] for w in self._workers
+        ]
+        self._send_all(P.RESET, args)
+        self._state = AsyncState.WAITING_RESET
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """Wait for the resets sent by :meth:`reset_async` and return (obs, infos)."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_RESET:
+            raise NoAsyncCallError(
+                "Calling `reset_wait` without any prior call to `reset_async`.",
+                AsyncState.WAITING_RESET.value,
+            )
+        replies = self._collect_or_timeout(timeout, P.RESET, "reset_wait")
+        infos: dict[str, Any] = {}
+        observations = [] if not self.shared_memory else None
+        for worker, (obs_list, info_list) in zip(self._workers, replies, strict=True):
+            for k, index in enumerate(worker.indices):
+                infos = self._add_info(infos, info_list[k], index)
+                if observations is not None:
+                    observations.append(obs_list[k])
+        if observations is not None:
+            self.observations = concatenate(
+                self.single_observation_space, observations, self.observations
+            )
+        return self._observations_out(), infos
+
+    # -- step -----------------------------------------------------------------------
+    def step(self, actions):
+        """Step every sub-env with its action; returns batched (obs, rew, term, trunc, info)."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions) -> None:
+        """Write the actions to the slab and wake the workers."""
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `step_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        dead = [w for w in self._workers if not w.alive()]
+        if dead:
+            raise self._crashed(dead[0], "before step")
+        slab_actions = self._slab.actions
+        if slab_actions is not None:
+            try:
+                slab_actions.write_batch(actions)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                raise BadActionError(
+                    f"actions do not fit the batched action space {self.action_space}: {exc}"
+                ) from exc
+            for space, low, high, leaf in self._step_ints:
+                values = leaf.array
+                if np.any(values < low) or np.any(values > high):
+                    bad = np.flatnonzero(
+                        np.any((values < low) | (values > high), axis=tuple(range(1, values.ndim)))
+                    )
+                    raise BadActionError(
+                        f"actions for sub-envs {bad.tolist()} are outside {space}: "
+                        f"{values[bad].tolist()}"
+                    )
+            self._send_same(P.STEP, None)
+        else:
+            per_env = list(iterate(self.action_space, actions))
+            if len(per_env) != self.num_envs:
+                raise BadActionError(
+                    f"expected {self.num_envs} actions, got {len(per_env)}"
+                )
+            self._send_all(P.STEP, [[per_env[i] for i in w.indices] for w in self._workers])
+        self._state = AsyncState.WAITING_STEP
+
+    def step_wait(self, timeout: float | None = None):
+        """Wait for the steps sent by :meth:`step_async` and return their batched results."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_STEP:
+            raise NoAsyncCallError(
+                "Calling `step_wait` without any prior call to `step_async`.",
+                AsyncState.WAITING_STEP.value,
+            )
+        replies = self._collect_or_timeout(timeout, P.STEP, "step_wait")
+        infos: dict[str, Any] = {}
+        observations = [] if not self.shared_memory else None
+        for worker, (obs_list, info_list) in zip(self._workers, replies, strict=True):
+            if info_list is not None:
+                for k, index in enumerate(worker.indices):
+                    infos = self._add_info(infos, info_list[k], index)
+            if observations is not None:
+                observations.extend(obs_list)
+        if observations is not None:
+            self.observations = concatenate(
+                self.single_observation_space, observations, self.observations
+            )
+        slab = self._slab
+        return (
+            self._observations_out(),
+            slab.rewards.copy(),
+            slab.terminations.copy(),
+            slab.truncations.copy(),
+            infos,
+        )
+
+    # -- call / attributes ----------------------------------------------------------
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call a method (or read an attribute) of every sub-env; returns a tuple."""
+        self.call_async(name, *args, **kwargs)
+        return self.call_wait()
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Returns a tuple of rendered frames from the environments."""
+        return self.call("render")
+
+    def call_async(self, name: str, /, *args: Any, **kwargs: Any) -> None:
+        """Send a call of ``name`` to every sub-env; collect with :meth:`call_wait`."""
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `call_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._send_same(P.CALL, [name, args, kwargs])
+        self._state = AsyncState.WAITING_CALL
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """Wait for the calls sent by :meth:`call_async`; results in sub-env order."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_CALL:
+            raise NoAsyncCallError(
+                "Calling `call_wait` without any prior call to `call_async`.",
+                AsyncState.WAITING_CALL.value,
+            )
+        replies = self._collect_or_timeout(timeout, P.CALL, "call_wait")
+        return tuple(value for reply in replies for value in reply)
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """Get an attribute of every sub-env."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
+        """Set an attribute of every sub-env (one value each, or the same for all)."""
+        self._assert_is_running()
+        if not isinstance(values, list | tuple):
+            values = [values for _ in range(self.num_envs)]
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of "
+                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `set_attr` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._send_all(P.SETATTR, [[name, [values[i] for i in w.indices]] for w in self._workers])
+        self._state = AsyncState.WAITING_CALL
+        self._collect_or_timeout(None, P.SETATTR, "set_attr")
+
+    # -- close ----------------------------------------------------------------------
+    def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
+        """Close the sub-envs, then the sandboxes, rings and slab.
+
+        Args:
+            timeout: Seconds to wait for a pending call and for the sub-envs' ``close``;
+                past it the sandboxes are killed.
+            terminate: Kill the sandboxes without closing the sub-envs.
+        """
+        timeout = 0 if terminate else timeout
+        try:
+            if self._state != AsyncState.DEFAULT:
+                logger.warn(
+                    f"Calling `close` while waiting for a pending call to "
+                    f"`{self._state.value}` to complete."
+                )
+                function = getattr(self, f"{self._state.value}_wait")
+                function(timeout)
+        except multiprocessing.TimeoutError:
+            terminate = True
+        except Exception as exc:  # a pending call that failed must not stop the close
+            logger.warn(f"Pending call failed while closing: {exc!r}")
+        self._teardown(terminate=terminate, timeout=timeout)
+
+    def _teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
+        self._state = AsyncState.DEFAULT
+        workers, self._workers = self._workers, []
+        if not terminate:
+            live = [w for w in workers if w.alive()]
+            try:
+                for w in live:
+                    self._send(w, P.CLOSE, None)
+                deadline = _Deadline(timeout)
+                for w in live:
+                    self._receive(w, deadline, P.CLOSE)
+            except (multiprocessing.TimeoutError, _WaitTimeout, SubEnvCrashed, OSError):
+                pass
+            except Exception as exc:
+                logger.warn(f"Error while closing the sub-envs: {exc!r}")
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        for w in workers:
+            w.watch.kill()
+            w.watch.close()
+            w.channel.close()
+        if self._slab is not None:
+            self.observations = None
+            self._slab.close()
+            self._slab = None
+        if self._slab_fd >= 0:
+            os.close(self._slab_fd)
+            self._slab_fd = -1
+
+    def __del__(self) -> None:
+        """On deleting the object, checks that the vector environment is closed."""
+        if not getattr(self, "closed", True) and hasattr(self, "_state"):
+            self.close(terminate=True)
+
+    # -- plumbing -------------------------------------------------------------------
+    def _observations_out(self) -> Any:
+        if self.shared_memory and self._slab.observations is not None:
+            node = self._slab.observations
+            self.observations = node.batch()
+        if not self.copy:
+            return self.observations
+        obs = self.observations
+        return obs.copy() if type(obs) is np.ndarray else copy_module.deepcopy(obs)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _send(self, worker: WorkerHandle, op: int, arg: Any) -> None:
+        seq = self._next_seq()
+        worker.channel.send([op, seq, arg])
+        worker.awaiting = seq
+
+    def _send_same(self, op: int, arg: Any) -> None:
+        seq = self._next_seq()
+        record = pack([op, seq, arg])
+        for worker in self._workers:
+            worker.channel.send_raw(record)
+            worker.awaiting = seq
+
+    def _send_all(self, op: int, args: list[Any]) -> None:
+        seq = self._next_seq()
+        for worker, arg in zip(self._workers, args, strict=True):
+            worker.channel.send([op, seq, arg])
+            worker.awaiting = seq
+
+    def _receive(self, worker: WorkerHandle, deadline: _Deadline, op: int) -> list[Any]:
+        """The reply ``worker`` owes for ``op``; earlier, abandoned replies are dropped."""
+        inbox = worker.channel
+        while True:
+            try:
+                reply = inbox.recv(deadline.slice())
+            except RingTimeout:
+                if not worker.alive():
+                    raise self._crashed(worker, f"during {P.NAMES[op]}") from None
+                if deadline.expired():
+                    raise _WaitTimeout from None
+                continue
+            if op == P.HELLO or reply[1] == worker.awaiting:
+                worker.awaiting = 0
+                return reply
+
+    def _collect(self, timeout: float | None, op: int) -> list[Any]:
+        deadline = _Deadline(timeout)
+        results, errors = [], []
+        for worker in self._workers:
+            _op, _seq, result, worker_errors = self._receive(worker, deadline, op)
+            results.append(result)
+            if worker_errors:
+                errors.extend(worker_errors)
+        if errors:
+            self._raise_errors(errors)
+        return results
+
+    def _collect_or_timeout(self, timeout: float | None, op: int, what: str) -> list[Any]:
+        try:
+            return self._collect(timeout, op)
+        except _WaitTimeout:
+            raise multiprocessing.TimeoutError(
+                f"The call to `{what}` has timed out after {timeout} second(s)."
+            ) from None
+        finally:
+            self._state = AsyncState.DEFAULT
+
+    def _crashed(self, worker: WorkerHandle, when: str) -> SubEnvCrashed:
+        worker.dead = True
+        code = self._host.exit_code(worker.pid) if self._host is not None else None
+        return SubEnvCrashed(
+            f"the sandbox of sub-env(s) {worker.indices} (pid {worker.pid}) died {when}: "
+            f"{describe_status(code)}. Call reset() to replace it with a fresh sandbox.",
+            indices=worker.indices,
+            pid=worker.pid,
+            exitcode=code,
+        )
+
+    def _replace_dead_workers(self) -> None:
+        for k, worker in enumerate(self._workers):
+            if worker.alive():
+                continue
+            worker.watch.close()
+            worker.channel.close()
+            replacement = self._spawn(worker.indices)
+            self._workers[k] = replacement
+            self._receive_hello(replacement)
+            arg = {
+                "observation_space": cloudpickle.dumps(self.single_observation_space),
+                "action_space": cloudpickle.dumps(self.single_action_space),
+                "observation_mode": "custom",
+                "autoreset_mode": self.autoreset_mode.value,
+                "num_envs": self.num_envs,
+                "shared_memory": self.shared_memory,
+            }
+            self._send(replacement, P.ATTACH, arg)
+            self._receive(replacement, _Deadline(None), P.ATTACH)
+
+    def _raise_errors(self, errors: list[list[Any]], building: bool = False) -> None:
+        errors = sorted(errors, key=lambda e: e[0])
+        self._state = AsyncState.DEFAULT
+        exc: BaseException | None = None
+        for index, pickled, type_name, message, trace in errors:
+            logger.error(f"Received the following error from Worker-{index} - Shutting it down")
+            logger.error(f"{trace}")
+            exc = None
+            if pickled is not None:
+                try:
+                    exc = cloudpickle.loads(pickled)
+                except Exception:
+                    exc = None
+            if not isinstance(exc, BaseException):
+                exc = RuntimeError(f"{type_name}: {message}")
+            what = "while building" if building else "in"
+            exc.add_note(
+                f"[gym_fork] raised {what} sub-env {index}; the worker's traceback:\n{trace}"
+            )
+            exc.gym_fork_index = index
+        logger.error("Raising the last exception back to the main process.")
+        raise exc
+
+    def _assert_is_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
+            )
+
+    def __repr__(self) -> str:
+        """Same form as AsyncVectorEnv's repr."""
+        return VectorEnv.__repr__(self)
+
+
+def auto_envs_per_worker(num_envs: int) -> int:
+    """One worker per CPU core, sub-envs spread evenly (a speed-first grouping)."""
+    return max(1, math.ceil(num_envs / (os.cpu_count() or 1)))
