@@ -23,7 +23,7 @@
  *     published, a seq that is not read_seq + 1) is reported (GF_EMAGIC, GF_ELENGTH,
  *     GF_ESEQ) and NOT consumed: read_pos stays put, so the caller can report it and
  *     tear the ring down. A full ring never overwrites: the writer waits, then times out.
- *  8. Sleeping: a waiter spins `spin` times, then sets its *_sleeping flag, re-checks the
+ *  8. Sleeping: a waiter spins `spin` times (pause, then sched_yield), then sets its *_sleeping flag, re-checks the
  *     condition after a seq_cst fence, and FUTEX_WAITs on the peer's futex word with the
  *     value it read before the check. The peer bumps that word (seq_cst) after each
  *     publish and wakes only when the flag is set. Either the waiter's re-check sees the
@@ -33,6 +33,7 @@
 #include "gf_ring.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <stddef.h>
 #include <string.h>
@@ -51,6 +52,16 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+/* The first few waits are pure pause loops (the peer is usually mid-copy); later ones
+ * yield the core, since on a machine with fewer cores than sandboxes the peer we wait
+ * for may need this very core to make progress. */
+static inline void spin_once(uint32_t spins) {
+    if (spins < 32)
+        cpu_relax();
+    else
+        sched_yield();
 }
 
 static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
@@ -126,8 +137,7 @@ int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void
         if (used > cap) return GF_ECOUNTERS;
         if (cap - used >= need) break;
         if (spins < ring->spin) {
-            spins++;
-            cpu_relax();
+            spin_once(spins++);
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
@@ -169,8 +179,7 @@ int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout
         if (avail > cap) return GF_ECOUNTERS;
         if (avail > 0) break;
         if (spins < ring->spin) {
-            spins++;
-            cpu_relax();
+            spin_once(spins++);
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;

@@ -52,8 +52,12 @@ class SubEnvCrashed(GymForkError):
         self.exitcode = exitcode
 
 
-class BadActionError(GymForkError, ValueError):
-    """The batch of actions does not fit the vector env's action space."""
+class BadActionError(GymForkError, ValueError, TypeError):
+    """The batch of actions does not fit the vector env's action space.
+
+    It is both a ValueError (wrong count or shape) and a TypeError (not a batch at
+    all), as AsyncVectorEnv raises one or the other for these cases.
+    """
 
     code = "bad_action"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -46,10 +47,8 @@ class ProcessWatch:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.fd >= 0:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.fd, sig)
-            except ProcessLookupError:
-                pass
 
     def wait_dead(self, timeout: float) -> bool:
         """True once the process has exited (within ``timeout`` seconds)."""

@@ -23,7 +23,9 @@ class Channel:
         self.region = region
         self.capacity = capacity
         requests = Ring(region, 0, capacity, create=create, name=f"{name} requests")
-        replies = Ring(region, ring_bytes(capacity), capacity, create=create, name=f"{name} replies")
+        replies = Ring(
+            region, ring_bytes(capacity), capacity, create=create, name=f"{name} replies"
+        )
         self.outbox, self.inbox = (requests, replies) if controller else (replies, requests)
 
     @classmethod

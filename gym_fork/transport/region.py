@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -36,11 +37,9 @@ class Region:
     def close(self) -> None:
         """Unmap and close the fd. Views into the mapping must be dropped first."""
         if self.map is not None:
-            try:
+            # A view still exported (a numpy array) keeps the mapping until the GC frees it.
+            with contextlib.suppress(BufferError):
                 self.map.close()
-            except BufferError:
-                # Someone still exports a view (a numpy array): leave the mapping to the GC.
-                pass
             self.map = None
         if self.fd >= 0:
             os.close(self.fd)

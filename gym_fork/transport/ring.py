@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from gym_fork._ring import ffi, lib
 from gym_fork.errors import RingTimeout, TransportError
 
@@ -9,7 +11,9 @@ from .region import Region
 
 CONTROL_BYTES = int(lib.gf_ring_control_size())
 RECORD_HEADER = int(lib.GF_RECORD_HEADER)
-DEFAULT_SPIN = 2000
+# Busy-wait rounds before a futex sleep (pause x32, then sched_yield); measured in
+# docs/benchmarks.md. GYM_FORK_SPIN overrides it for tuning.
+DEFAULT_SPIN = int(os.environ.get("GYM_FORK_SPIN", "400"))
 
 _REASONS = {
     lib.GF_EMAGIC: "magic",

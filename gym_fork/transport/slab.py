@@ -53,6 +53,14 @@ class _ArrayLeaf:
     def batch(self) -> Any:
         return self.array
 
+    def accepts(self, values: Any) -> bool:
+        """True if ``values`` is already a batch of exactly this dtype and shape."""
+        return (
+            type(values) is np.ndarray
+            and values.dtype == self.dtype
+            and values.shape == self.array.shape
+        )
+
     def write_batch(self, values: Any) -> None:
         values = np.asarray(values)
         if values.shape != self.array.shape:
@@ -92,6 +100,9 @@ class _TextLeaf:
     def batch(self) -> tuple[str, ...]:
         return tuple(self.read(i) for i in range(self.n))
 
+    def accepts(self, values: Any) -> bool:
+        return False
+
     def write_batch(self, values: Any) -> None:
         values = tuple(values)
         if len(values) != self.n:
@@ -119,6 +130,13 @@ class _DictNode:
             raise ValueError(f"expected keys {sorted(self.children)}, got {sorted(value.keys())}")
         for key, child in self.children.items():
             child.write(index, value[key])
+
+    def accepts(self, values: Any) -> bool:
+        return (
+            type(values) is dict
+            and values.keys() == self.children.keys()
+            and all(c.accepts(values[k]) for k, c in self.children.items())
+        )
 
     def read(self, index: int) -> dict[str, Any]:
         return {key: child.read(index) for key, child in self.children.items()}
@@ -151,6 +169,13 @@ class _TupleNode:
         for child, item in zip(self.children, value, strict=True):
             child.write(index, item)
 
+    def accepts(self, values: Any) -> bool:
+        return (
+            type(values) is tuple
+            and len(values) == len(self.children)
+            and all(c.accepts(v) for c, v in zip(self.children, values, strict=True))
+        )
+
     def read(self, index: int) -> tuple[Any, ...]:
         return tuple(child.read(index) for child in self.children)
 
@@ -160,6 +185,23 @@ class _TupleNode:
     def write_batch(self, values: Any) -> None:
         for child, item in zip(self.children, values, strict=True):
             child.write_batch(item)
+
+
+def async_shares(space: spaces.Space) -> bool:
+    """True if AsyncVectorEnv(shared_memory=True) accepts ``space`` (Gymnasium 1.x rules)."""
+    if type(space) in (
+        spaces.Box,
+        spaces.Discrete,
+        spaces.MultiDiscrete,
+        spaces.MultiBinary,
+        spaces.Text,
+    ):
+        return True
+    if type(space) is spaces.Dict:
+        return all(async_shares(s) for s in space.spaces.values())
+    if type(space) in (spaces.Tuple, spaces.OneOf):
+        return all(async_shares(s) for s in space.spaces)
+    return False
 
 
 def slab_node(space: spaces.Space, n: int):

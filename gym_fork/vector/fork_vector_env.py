@@ -34,7 +34,7 @@ from gym_fork.hosts.linux import describe_status
 from gym_fork.hosts.process.host import ProcessHost, WorkerHandle
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.codec import pack
-from gym_fork.transport.slab import Slab, slab_node
+from gym_fork.transport.slab import Slab, async_shares, slab_node
 from gym_fork.worker import protocol as P
 
 __all__ = ["ForkVectorEnv"]
@@ -79,8 +79,9 @@ class ForkVectorEnv(VectorEnv):
         envs_per_worker: sub-envs hosted by one worker sandbox (default 1: one sandbox
             per sub-env). Several per worker means fewer processes and context switches.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
-        check_actions: reject integer actions outside a Discrete/MultiDiscrete/MultiBinary
-            space before they reach the sub-envs (default True).
+        check_actions: reject actions outside the action space before they reach the
+            sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
+            path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
     """
 
     def __init__(
@@ -97,7 +98,7 @@ class ForkVectorEnv(VectorEnv):
         *,
         envs_per_worker: int = 1,
         ring_bytes: int = DEFAULT_RING_BYTES,
-        check_actions: bool = True,
+        check_actions: bool = False,
     ) -> None:
         self.env_fns = env_fns
         self.shared_memory = shared_memory
@@ -196,22 +197,27 @@ class ForkVectorEnv(VectorEnv):
                 f"and batch observation space, actual got {mode}"
             )
 
-        if self.shared_memory and slab_node(self.single_observation_space, 1) is None:
+        if self.shared_memory and not async_shares(self.single_observation_space):
             raise ValueError(
                 "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable "
                 "this feature with `shared_memory=False` however this is slower. "
-                f"(ForkVectorEnv: {self.single_observation_space} has no fixed-size layout.)"
+                f"(ForkVectorEnv: {self.single_observation_space} has no shared layout.)"
             )
+        # Spaces Async shares but that have no fixed-size slab layout (OneOf) travel in
+        # ring records: same results, one copy more.
+        self._obs_in_slab = (
+            self.shared_memory and slab_node(self.single_observation_space, 1) is not None
+        )
         self._slab = Slab(
             self.single_observation_space,
             self.single_action_space,
             self.num_envs,
-            use_observations=self.shared_memory,
+            use_observations=self._obs_in_slab,
             region_fd=self._slab_fd,
             owner=True,
         )
         self._slab_fd = -1  # owned by the slab's region now
-        if self.shared_memory:
+        if self._obs_in_slab:
             self.observations = self._slab.observations.batch()
         else:
             self.observations = create_empty_array(
@@ -245,22 +251,24 @@ class ForkVectorEnv(VectorEnv):
         return self._host.spawn(name, indices, fd, self.ring_bytes)
 
     def _receive_hello(self, worker: WorkerHandle) -> dict[str, Any]:
-        op, _seq, info, errors = self._receive(worker, _Deadline(None), P.HELLO)
+        _op, _seq, info, errors = self._receive(worker, _Deadline(None), P.HELLO)
         if errors:
             self._raise_errors(errors, building=True)
         worker.info = info
         return info
 
-    def _attach_all(self, check_mode: str) -> list[list[bool]]:
-        arg = {
+    def _attach_arg(self, check_mode: str) -> dict[str, Any]:
+        return {
             "observation_space": cloudpickle.dumps(self.single_observation_space),
             "action_space": cloudpickle.dumps(self.single_action_space),
             "observation_mode": check_mode,
             "autoreset_mode": self.autoreset_mode.value,
             "num_envs": self.num_envs,
-            "shared_memory": self.shared_memory,
+            "shared_memory": self._obs_in_slab,
         }
-        self._send_all(P.ATTACH, [arg] * len(self._workers))
+
+    def _attach_all(self, check_mode: str) -> list[list[bool]]:
+        self._send_same(P.ATTACH, self._attach_arg(check_mode))
         replies = self._collect(None, P.ATTACH)
         return [check for reply in replies for check in reply]
 
@@ -365,9 +373,7 @@ class ForkVectorEnv(VectorEnv):
                 )
             mask = reset_mask
         self._replace_dead_workers()
-        args = [
-            [[seed[i], options, bool(mask[i])] for i in w.indices] for w in self._workers
-        ]
+        args = [[[seed[i], options, bool(mask[i])] for i in w.indices] for w in self._workers]
         self._send_all(P.RESET, args)
         self._state = AsyncState.WAITING_RESET
 
@@ -381,7 +387,7 @@ class ForkVectorEnv(VectorEnv):
             )
         replies = self._collect_or_timeout(timeout, P.RESET, "reset_wait")
         infos: dict[str, Any] = {}
-        observations = [] if not self.shared_memory else None
+        observations = [] if not self._obs_in_slab else None
         for worker, (obs_list, info_list) in zip(self._workers, replies, strict=True):
             for k, index in enumerate(worker.indices):
                 infos = self._add_info(infos, info_list[k], index)
@@ -412,13 +418,10 @@ class ForkVectorEnv(VectorEnv):
         if dead:
             raise self._crashed(dead[0], "before step")
         slab_actions = self._slab.actions
-        if slab_actions is not None:
-            try:
-                slab_actions.write_batch(actions)
-            except (ValueError, TypeError, KeyError, IndexError) as exc:
-                raise BadActionError(
-                    f"actions do not fit the batched action space {self.action_space}: {exc}"
-                ) from exc
+        if slab_actions is not None and slab_actions.accepts(actions):
+            # Fast path: an exact batch goes into the slab. Anything else (lists, other
+            # dtypes) travels per sub-env, so each env sees what AsyncVectorEnv would pass.
+            slab_actions.write_batch(actions)
             for space, low, high, leaf in self._step_ints:
                 values = leaf.array
                 if np.any(values < low) or np.any(values > high):
@@ -431,11 +434,23 @@ class ForkVectorEnv(VectorEnv):
                     )
             self._send_same(P.STEP, None)
         else:
-            per_env = list(iterate(self.action_space, actions))
+            try:
+                per_env = list(iterate(self.action_space, actions))
+            except (TypeError, ValueError, KeyError) as exc:
+                raise BadActionError(
+                    f"actions do not fit the batched action space {self.action_space}: {exc}"
+                ) from exc
             if len(per_env) != self.num_envs:
                 raise BadActionError(
-                    f"expected {self.num_envs} actions, got {len(per_env)}"
+                    f"expected {self.num_envs} actions (one per sub-env), got {len(per_env)}"
                 )
+            if self.check_actions:
+                for i, action in enumerate(per_env):
+                    if not self.single_action_space.contains(action):
+                        raise BadActionError(
+                            f"action for sub-env {i} is outside {self.single_action_space}: "
+                            f"{action!r}"
+                        )
             self._send_all(P.STEP, [[per_env[i] for i in w.indices] for w in self._workers])
         self._state = AsyncState.WAITING_STEP
 
@@ -449,7 +464,7 @@ class ForkVectorEnv(VectorEnv):
             )
         replies = self._collect_or_timeout(timeout, P.STEP, "step_wait")
         infos: dict[str, Any] = {}
-        observations = [] if not self.shared_memory else None
+        observations = [] if not self._obs_in_slab else None
         for worker, (obs_list, info_list) in zip(self._workers, replies, strict=True):
             if info_list is not None:
                 for k, index in enumerate(worker.indices):
@@ -587,7 +602,7 @@ class ForkVectorEnv(VectorEnv):
 
     # -- plumbing -------------------------------------------------------------------
     def _observations_out(self) -> Any:
-        if self.shared_memory and self._slab.observations is not None:
+        if self._obs_in_slab:
             node = self._slab.observations
             self.observations = node.batch()
         if not self.copy:
@@ -675,14 +690,7 @@ class ForkVectorEnv(VectorEnv):
             replacement = self._spawn(worker.indices)
             self._workers[k] = replacement
             self._receive_hello(replacement)
-            arg = {
-                "observation_space": cloudpickle.dumps(self.single_observation_space),
-                "action_space": cloudpickle.dumps(self.single_action_space),
-                "observation_mode": "custom",
-                "autoreset_mode": self.autoreset_mode.value,
-                "num_envs": self.num_envs,
-                "shared_memory": self.shared_memory,
-            }
+            arg = self._attach_arg("custom")
             self._send(replacement, P.ATTACH, arg)
             self._receive(replacement, _Deadline(None), P.ATTACH)
 

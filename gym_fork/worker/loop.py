@@ -195,7 +195,8 @@ class Worker:
             try:
                 if name in P.RESERVED_CALLS:
                     raise ValueError(
-                        f"Trying to call function `{name}` with `call`, use `{name}` directly instead."
+                        f"Trying to call function `{name}` with `call`, "
+                        f"use `{name}` directly instead."
                     )
                 attr = slot.env.get_wrapper_attr(name)
                 results[k] = attr(*args, **kwargs) if callable(attr) else attr

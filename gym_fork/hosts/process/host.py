@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -121,7 +122,12 @@ class ProcessHost:
             try:
                 send_message(
                     self.sock,
-                    {"op": "spawn", "name": name, "indices": indices, "ring_capacity": ring_capacity},
+                    {
+                        "op": "spawn",
+                        "name": name,
+                        "indices": indices,
+                        "ring_capacity": ring_capacity,
+                    },
                     fds=(channel.region.fd, slab_fd),
                 )
                 reply = self._request_reply(30.0, what=f"spawn {name}")
@@ -152,10 +158,8 @@ class ProcessHost:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
         sock, self.sock = getattr(self, "sock", None), None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 send_message(sock, {"op": "exit"})
-            except OSError:
-                pass
             sock.close()
         process = getattr(self, "process", None)
         if process is not None:

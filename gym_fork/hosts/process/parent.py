@@ -9,6 +9,7 @@ exits, killing its workers, when the controller closes the control socket or die
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
@@ -33,10 +34,8 @@ class WarmParent:
 
     def prepare(self, message: dict) -> None:
         sys.path[:] = message["sys_path"]
-        try:
+        with contextlib.suppress(OSError):
             os.chdir(message["cwd"])
-        except OSError:
-            pass
         registry = cloudpickle.loads(message["registry"])
         from gymnasium.envs.registration import registry as local_registry
 
@@ -93,10 +92,8 @@ class WarmParent:
     def kill_children(self) -> None:
         for pid, code in self.children.items():
             if code is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         deadline_reaps = 50
         while deadline_reaps and any(c is None for c in self.children.values()):
             self.reap()
@@ -140,8 +137,11 @@ def main() -> None:
         except Exception as exc:
             send_message(
                 sock,
-                {"op": "error", "error": f"{type(exc).__name__}: {exc}",
-                 "traceback": traceback.format_exc()},
+                {
+                    "op": "error",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                },
             )
             return
         send_message(sock, {"op": "ready", "pid": os.getpid()})
