@@ -1,0 +1,27 @@
+"""Every test must leave no sandbox process, fd or shared-memory file behind."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tests.helpers import descendants, gym_fork_shm_files, open_fds, wait_until
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    if request.node.get_closest_marker("leaks_checked_inside"):
+        yield
+        return
+    gc.collect()
+    procs_before, fds_before, shm_before = descendants(), open_fds(), gym_fork_shm_files()
+    yield
+    gc.collect()
+    assert wait_until(lambda: descendants() <= procs_before), (
+        f"leaked processes: {descendants() - procs_before}"
+    )
+    assert wait_until(lambda: open_fds() <= fds_before), (
+        f"leaked fds: {open_fds() - fds_before}"
+    )
+    assert gym_fork_shm_files() <= shm_before

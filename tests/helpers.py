@@ -1,0 +1,99 @@
+"""Test helpers: deterministic envs over any space, and a leak snapshot."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class SpaceEnv(gym.Env):
+    """Emits seeded samples of ``observation_space``; ends episodes at random lengths.
+
+    Everything it returns depends only on the reset seeds and the actions, so the same
+    seeds and actions give bit-identical results in any vector env.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(self, observation_space, action_space=None, max_len=7, render_mode=None):
+        self.observation_space = observation_space
+        self.action_space = action_space or spaces.Discrete(3)
+        self.max_len = max_len
+        self.render_mode = render_mode
+        self.t = 0
+        self.limit = max_len
+        self.marker = "initial"
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        self.limit = int(self.np_random.integers(2, self.max_len + 1))
+        info = {"episode_seed": seed} if seed is not None else {}
+        if options and "note" in options:
+            info["note"] = options["note"]
+        return self.observation_space.sample(), info
+
+    def step(self, action):
+        self.t += 1
+        reward = float(self.np_random.normal()) + float(np.sum(np.asarray(action, dtype=float)))
+        terminated = self.t >= self.limit
+        truncated = bool(self.np_random.random() < 0.05)
+        info = {"t": self.t} if self.t % 2 == 0 else {}
+        return self.observation_space.sample(), reward, terminated, truncated, info
+
+    def render(self):
+        return np.full((4, 4, 3), self.t, dtype=np.uint8)
+
+    def add(self, x, y=1):
+        return self.t + x + y
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """All live descendant pids of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.add(child)
+            stack.append(child)
+    return out
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def gym_fork_shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "gym_fork" in n}
+
+
+def wait_until(predicate, timeout: float = 3.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def make_space_env(observation_space, action_space=None, **kwargs) -> Any:
+    return lambda: SpaceEnv(observation_space, action_space, **kwargs)
