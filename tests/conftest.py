@@ -21,7 +21,5 @@ def no_leaks(request):
     assert wait_until(lambda: descendants() <= procs_before), (
         f"leaked processes: {descendants() - procs_before}"
     )
-    assert wait_until(lambda: open_fds() <= fds_before), (
-        f"leaked fds: {open_fds() - fds_before}"
-    )
+    assert wait_until(lambda: open_fds() <= fds_before), f"leaked fds: {open_fds() - fds_before}"
     assert gym_fork_shm_files() <= shm_before

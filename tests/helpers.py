@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import Any
@@ -20,10 +21,15 @@ class SpaceEnv(gym.Env):
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
 
-    def __init__(self, observation_space, action_space=None, max_len=7, render_mode=None):
-        self.observation_space = observation_space
-        self.action_space = action_space or spaces.Discrete(3)
+    def __init__(
+        self, observation_space, action_space=None, max_len=7, render_mode=None, trunc_prob=0.05
+    ):
+        # Own copies: a space carries an RNG, and sharing it between sub-envs of one
+        # process (SyncVectorEnv) would interleave their samples.
+        self.observation_space = copy.deepcopy(observation_space)
+        self.action_space = copy.deepcopy(action_space) if action_space else spaces.Discrete(3)
         self.max_len = max_len
+        self.trunc_prob = trunc_prob
         self.render_mode = render_mode
         self.t = 0
         self.limit = max_len
@@ -41,9 +47,10 @@ class SpaceEnv(gym.Env):
 
     def step(self, action):
         self.t += 1
-        reward = float(self.np_random.normal()) + float(np.sum(np.asarray(action, dtype=float)))
+        flat = spaces.flatten(self.action_space, action)
+        reward = float(self.np_random.normal()) + float(np.sum(flat, dtype=float))
         terminated = self.t >= self.limit
-        truncated = bool(self.np_random.random() < 0.05)
+        truncated = bool(self.np_random.random() < self.trunc_prob)
         info = {"t": self.t} if self.t % 2 == 0 else {}
         return self.observation_space.sample(), reward, terminated, truncated, info
 

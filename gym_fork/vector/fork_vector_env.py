@@ -434,6 +434,16 @@ class ForkVectorEnv(VectorEnv):
                     )
             self._send_same(P.STEP, None)
         else:
+            expected = self.action_space.shape
+            if (
+                isinstance(actions, np.ndarray)
+                and expected is not None
+                and (actions.ndim != len(expected) or actions.shape[:1] != (self.num_envs,))
+            ):
+                raise BadActionError(
+                    f"expected a batch of actions of shape {expected} for "
+                    f"{self.action_space}, got an array of shape {actions.shape}"
+                )
             try:
                 per_env = list(iterate(self.action_space, actions))
             except (TypeError, ValueError, KeyError) as exc:

@@ -1,0 +1,179 @@
+"""ForkVectorEnv step-for-step against SyncVectorEnv, over every space kind and mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.utils.env_checker import data_equivalence
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from gym_fork import ForkVectorEnv
+from tests.helpers import make_space_env
+
+OBSERVATION_SPACES = {
+    "box-f32": spaces.Box(-1, 1, (3,), np.float32),
+    "box-u8-image": spaces.Box(0, 255, (8, 8, 3), np.uint8),
+    "box-f64": spaces.Box(-1, 1, (2, 2), np.float64),
+    "box-i32": spaces.Box(-9, 9, (4,), np.int32),
+    "box-f16": spaces.Box(-1, 1, (3,), np.float16),
+    "discrete": spaces.Discrete(7, start=1),
+    "multidiscrete": spaces.MultiDiscrete([2, 5, 3]),
+    "multibinary": spaces.MultiBinary(5),
+    "text": spaces.Text(8),
+    "dict": spaces.Dict({"pos": spaces.Box(-1, 1, (2,)), "id": spaces.Discrete(4)}),
+    "tuple": spaces.Tuple((spaces.MultiBinary(2), spaces.Box(0, 1, (1,)))),
+    "oneof": spaces.OneOf((spaces.Discrete(3), spaces.Box(0, 1, (2,)))),
+    "sequence": spaces.Sequence(spaces.Discrete(4)),
+    "graph": spaces.Graph(spaces.Box(0, 1, (2,)), spaces.Discrete(3)),
+}
+SHARED_NOT_POSSIBLE = {"sequence", "graph"}
+ACTION_SPACES = {
+    "discrete": spaces.Discrete(3),
+    "box": spaces.Box(-1, 1, (2,), np.float32),
+    "dict": spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Box(0, 1, (1,))}),
+}
+
+
+def run_both(env_fns, steps, *, seed, actions_seed=0, **kwargs):
+    """Run Fork and Sync with the same seeds and actions; assert identical results."""
+    fork = ForkVectorEnv(env_fns, **kwargs)
+    sync_kwargs = {k: v for k, v in kwargs.items() if k in ("autoreset_mode", "copy")}
+    sync = SyncVectorEnv(env_fns, **sync_kwargs)
+    try:
+        assert fork.observation_space == sync.observation_space
+        assert fork.action_space == sync.action_space
+        assert fork.metadata == sync.metadata
+        a, b = fork.reset(seed=seed), sync.reset(seed=seed)
+        assert data_equivalence(a, b)
+        fork.action_space.seed(actions_seed)
+        for _ in range(steps):
+            actions = fork.action_space.sample()
+            a, b = fork.step(actions), sync.step(actions)
+            assert data_equivalence(a, b), (a, b)
+    finally:
+        fork.close()
+        sync.close()
+
+
+@pytest.mark.parametrize("name", sorted(OBSERVATION_SPACES))
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_every_observation_space(name, shared_memory):
+    space = OBSERVATION_SPACES[name]
+    env_fns = [make_space_env(space) for _ in range(3)]
+    if shared_memory and name in SHARED_NOT_POSSIBLE:
+        with pytest.raises(ValueError, match="shared_memory=False"):
+            ForkVectorEnv(env_fns, shared_memory=True)
+        return
+    run_both(env_fns, 25, seed=11, shared_memory=shared_memory)
+
+
+@pytest.mark.parametrize("name", sorted(ACTION_SPACES))
+def test_every_action_space(name):
+    env_fns = [make_space_env(spaces.Box(0, 1, (2,)), ACTION_SPACES[name]) for _ in range(3)]
+    run_both(env_fns, 25, seed=5)
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_autoreset_modes(mode, envs_per_worker):
+    env_fns = [make_space_env(spaces.Box(-1, 1, (2,)), max_len=4) for _ in range(4)]
+    fork = ForkVectorEnv(env_fns, autoreset_mode=mode, envs_per_worker=envs_per_worker)
+    sync = SyncVectorEnv(env_fns, autoreset_mode=mode)
+    try:
+        assert fork.metadata["autoreset_mode"] is mode
+        assert data_equivalence(fork.reset(seed=3), sync.reset(seed=3))
+        for step in range(40):
+            actions = np.array([step % 3] * 4)
+            a, b = fork.step(actions), sync.step(actions)
+            assert data_equivalence(a, b)
+            if mode is AutoresetMode.DISABLED and np.any(a[2] | a[3]):
+                mask = a[2] | a[3]
+                a = fork.reset(seed=[step] * 4, options={"reset_mask": mask})
+                b = sync.reset(seed=[step] * 4, options={"reset_mask": mask})
+                assert data_equivalence(a, b)
+    finally:
+        fork.close()
+        sync.close()
+
+
+def test_seed_lists_options_and_reset_mask():
+    env_fns = [make_space_env(spaces.Discrete(100)) for _ in range(3)]
+    fork, sync = ForkVectorEnv(env_fns), SyncVectorEnv(env_fns)
+    try:
+        seeds = [7, None, 9]
+        a, b = fork.reset(seed=seeds, options={"note": "x"}), sync.reset(seed=[7, None, 9])
+        assert a[1]["note"].tolist() == ["x", "x", "x"]
+        assert a[0][0] == b[0][0] and a[0][2] == b[0][2]
+        mask = np.array([False, True, False])
+        options = {"reset_mask": mask, "note": "y"}
+        obs, info = fork.reset(seed=[1, 2, 3], options=options)
+        assert "reset_mask" in options, "the caller's options dict must not be mutated"
+        assert info["_note"].tolist() == [False, True, False]
+        assert obs[0] == a[0][0] and obs[2] == a[0][2]
+        with pytest.raises(ValueError, match="length must match"):
+            fork.reset(seed=[1, 2])
+        with pytest.raises(TypeError, match="numpy array"):
+            fork.reset(options={"reset_mask": [True, False, True]})
+        with pytest.raises(ValueError, match="at least one True"):
+            fork.reset(options={"reset_mask": np.zeros(3, dtype=bool)})
+    finally:
+        fork.close()
+        sync.close()
+
+
+def test_call_get_attr_set_attr_render():
+    env_fns = [make_space_env(spaces.Discrete(3), render_mode="rgb_array") for _ in range(3)]
+    envs = ForkVectorEnv(env_fns)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.array([0, 1, 2]))
+        assert envs.call("add", 10, y=5) == (16, 16, 16)
+        assert envs.get_attr("marker") == ("initial",) * 3
+        envs.set_attr("marker", ["a", "b", "c"])
+        assert envs.get_attr("marker") == ("a", "b", "c")
+        envs.set_attr("marker", "same")
+        assert envs.get_attr("marker") == ("same",) * 3
+        frames = envs.render()
+        assert isinstance(frames, tuple) and len(frames) == 3
+        assert all(f.shape == (4, 4, 3) and f[0, 0, 0] == 1 for f in frames)
+        assert envs.render_mode == "rgb_array"
+        assert len(envs.np_random_seed) == 3
+        with pytest.raises(ValueError, match="use `step` directly"):
+            envs.call("step", 0)
+        with pytest.raises(ValueError, match="length equal to the number"):
+            envs.set_attr("marker", ["a"])
+    finally:
+        envs.close()
+
+
+def test_copy_false_returns_the_shared_buffer_and_copy_true_does_not():
+    env_fns = [make_space_env(spaces.Box(-1, 1, (2,))) for _ in range(2)]
+    for copy in (True, False):
+        envs = ForkVectorEnv(env_fns, copy=copy)
+        try:
+            obs1, _ = envs.reset(seed=1)
+            snapshot = obs1.copy()
+            obs2, *_ = envs.step(np.array([0, 0]))
+            assert (obs1 is obs2) == (not copy)
+            assert np.array_equal(obs1, snapshot) == copy
+        finally:
+            envs.close()
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 3, 8])
+def test_cartpole_matches_sync_for_a_thousand_steps(envs_per_worker):
+    import gymnasium as gym
+
+    env_fns = [lambda: gym.make("CartPole-v1") for _ in range(5)]
+    fork = ForkVectorEnv(env_fns, envs_per_worker=envs_per_worker)
+    sync = SyncVectorEnv(env_fns)
+    try:
+        assert data_equivalence(fork.reset(seed=42), sync.reset(seed=42))
+        rng = np.random.default_rng(0)
+        for _ in range(1000):
+            actions = rng.integers(0, 2, 5)
+            assert data_equivalence(fork.step(actions), sync.step(actions))
+    finally:
+        fork.close()
+        sync.close()
