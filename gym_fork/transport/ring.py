@@ -72,12 +72,20 @@ class Ring:
         self._out_c = ffi.from_buffer(self._out)
         self._needed = ffi.new("uint64_t *")
 
-    def write(self, head: bytes, body=b"", timeout: float | None = None) -> None:
-        """Append one record (``head`` then ``body``); wait while the ring is full."""
-        body_len = len(body) if not hasattr(body, "nbytes") else body.nbytes
-        body_ptr = ffi.from_buffer(body) if body_len else ffi.NULL
+    def write(self, head: bytes, body=None, timeout: float | None = None) -> None:
+        """Append one record (``head`` then the bytes-like ``body``); wait while full."""
+        if body is None:
+            body_len, body_ptr = 0, ffi.NULL
+        else:
+            body_len = memoryview(body).nbytes
+            body_ptr = ffi.from_buffer(body) if body_len else ffi.NULL
         rc = lib.gf_ring_write(
-            self._ring, head, len(head), body_ptr, body_len, _timeout_ns(timeout)
+            self._ring,
+            head,
+            len(head),
+            body_ptr,
+            body_len,
+            -1 if timeout is None else _timeout_ns(timeout),
         )
         if rc == lib.GF_OK:
             return

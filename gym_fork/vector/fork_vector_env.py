@@ -76,8 +76,11 @@ class ForkVectorEnv(VectorEnv):
       its own results.
 
     Extra keyword arguments:
-        envs_per_worker: sub-envs hosted by one worker sandbox (default 1: one sandbox
-            per sub-env). Several per worker means fewer processes and context switches.
+        envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
+            one sandbox per sub-env while there are at least as many CPU cores as
+            sub-envs, else sub-envs spread evenly over one worker per core (fewer
+            context switches; worker-mates share a process). ``1`` forces one sandbox
+            per sub-env. Branches made by ``fork`` are always one sub-env per sandbox.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
@@ -96,7 +99,7 @@ class ForkVectorEnv(VectorEnv):
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
         *,
-        envs_per_worker: int = 1,
+        envs_per_worker: int | str = "auto",
         ring_bytes: int = DEFAULT_RING_BYTES,
         check_actions: bool = False,
     ) -> None:
@@ -128,8 +131,12 @@ class ForkVectorEnv(VectorEnv):
                 "speak over shared-memory rings. Use gymnasium.vector.AsyncVectorEnv for a "
                 "custom worker."
             )
-        if envs_per_worker < 1:
-            raise ValueError(f"`envs_per_worker` must be >= 1, got {envs_per_worker}")
+        if envs_per_worker == "auto":
+            envs_per_worker = auto_envs_per_worker(len(env_fns))
+        if not isinstance(envs_per_worker, int) or envs_per_worker < 1:
+            raise ValueError(
+                f"`envs_per_worker` must be 'auto' or an int >= 1, got {envs_per_worker!r}"
+            )
         if ring_bytes < 4096 or ring_bytes & (ring_bytes - 1):
             raise ValueError(f"`ring_bytes` must be a power of two >= 4096, got {ring_bytes}")
 
@@ -414,9 +421,8 @@ class ForkVectorEnv(VectorEnv):
                 f"`{self._state.value}` to complete.",
                 str(self._state.value),
             )
-        dead = [w for w in self._workers if not w.alive()]
-        if dead:
-            raise self._crashed(dead[0], "before step")
+        # A dead worker is noticed by the wait (every _LIVENESS_SLICE), not here: a
+        # liveness syscall per worker per step would cost more than the step itself.
         slab_actions = self._slab.actions
         if slab_actions is not None and slab_actions.accepts(actions):
             # Fast path: an exact batch goes into the slab. Anything else (lists, other
@@ -739,5 +745,6 @@ class ForkVectorEnv(VectorEnv):
 
 
 def auto_envs_per_worker(num_envs: int) -> int:
-    """One worker per CPU core, sub-envs spread evenly (a speed-first grouping)."""
-    return max(1, math.ceil(num_envs / (os.cpu_count() or 1)))
+    """1 while cores suffice, else one worker per core with sub-envs spread evenly."""
+    cores = len(os.sched_getaffinity(0)) or 1
+    return max(1, math.ceil(num_envs / cores))

@@ -20,6 +20,7 @@ from tests.helpers import SpaceEnv, descendants, wait_until
 
 
 def cartpoles(n=2, **kwargs):
+    kwargs.setdefault("envs_per_worker", 1)
     return ForkVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(n)], **kwargs)
 
 
@@ -120,7 +121,7 @@ class WrongShapeEnv(SpaceEnv):
         super().__init__(spaces.Box(-1, 1, (3,)))
 
     def step(self, action):
-        obs, *rest = super().step(action)
+        _obs, *rest = super().step(action)
         return np.zeros(4, dtype=np.float32), *rest
 
 
@@ -182,6 +183,21 @@ def test_a_killed_sandbox_raises_subenv_crashed_and_reset_replaces_it(sig):
         envs.close()
 
 
+def test_a_crash_in_a_shared_worker_names_every_sub_env_it_hosted():
+    envs = cartpoles(4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        assert len(envs.worker_pids) == 2
+        os.kill(envs.worker_pids[1], signal.SIGKILL)
+        with pytest.raises(SubEnvCrashed) as info:
+            envs.step(np.array([0, 0, 0, 0]))
+        assert info.value.indices == [2, 3]
+        envs.reset(seed=0)
+        envs.step(np.array([0, 0, 0, 0]))
+    finally:
+        envs.close()
+
+
 def test_a_sandbox_dying_mid_step_is_reported_within_its_slice():
     class Suicide(SpaceEnv):
         def __init__(self):
@@ -192,7 +208,7 @@ def test_a_sandbox_dying_mid_step_is_reported_within_its_slice():
                 os._exit(3)
             return super().step(action)
 
-    envs = ForkVectorEnv([Suicide, Suicide])
+    envs = ForkVectorEnv([Suicide, Suicide], envs_per_worker=1)
     try:
         envs.reset(seed=0)
         start = time.monotonic()
@@ -212,7 +228,8 @@ def test_sandboxes_die_within_two_seconds_of_a_sigkilled_controller(tmp_path):
             """
             import sys, time, gymnasium as gym
             from gym_fork import ForkVectorEnv
-            envs = ForkVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(3)])
+            fns = [lambda: gym.make("CartPole-v1") for _ in range(3)]
+            envs = ForkVectorEnv(fns, envs_per_worker=1)
             envs.reset(seed=0)
             print(" ".join(map(str, envs.worker_pids)), flush=True)
             time.sleep(60)
