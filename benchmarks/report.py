@@ -1,6 +1,6 @@
 """Print the step-throughput and ring-latency table as ratios measured in one run.
 
-    .venv/bin/python benchmarks/report.py [--steps 3000] [--repeats 3]
+.venv/bin/python benchmarks/report.py [--steps 3000] [--repeats 3]
 """
 
 from __future__ import annotations

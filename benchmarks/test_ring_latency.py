@@ -1,6 +1,6 @@
 """Round trip of one small record: gym_fork ring vs a multiprocessing pipe (two processes).
 
-    .venv/bin/python -m pytest benchmarks/test_ring_latency.py --benchmark-only
+.venv/bin/python -m pytest benchmarks/test_ring_latency.py --benchmark-only
 """
 
 from __future__ import annotations

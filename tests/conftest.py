@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 
 import pytest
+
+# Tests write their provenance to a throw-away log, not the user's state directory.
+os.environ.setdefault(
+    "GYM_FORK_LINEAGE_LOG", os.path.join(tempfile.mkdtemp(prefix="gym_fork-test-"), "lineage.jsonl")
+)
 
 from tests.helpers import descendants, gym_fork_shm_files, open_fds, wait_until
 

@@ -8,6 +8,7 @@ done flags live in a shared batch slab, so a step moves no array through a pipe.
 from __future__ import annotations
 
 import copy as copy_module
+import hashlib
 import math
 import multiprocessing
 import os
@@ -30,10 +31,20 @@ from gymnasium.vector.utils import (
 )
 
 from gym_fork.errors import BadActionError, RingTimeout, SubEnvCrashed
-from gym_fork.hosts.linux import describe_status
-from gym_fork.hosts.process.host import ProcessHost, WorkerHandle
+from gym_fork.hosts.process.host import ProcessHost, WorkerHandle, WorkerSpec, new_worker_ends
+from gym_fork.lineage import (
+    Lineage,
+    LineageLog,
+    LineageTree,
+    baseline_id,
+    baseline_inputs,
+    default_log_path,
+)
+from gym_fork.lineage.tree import BranchRecord
+from gym_fork.system.linux import ProcessWatch, describe_status
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.codec import pack
+from gym_fork.transport.control import send_message
 from gym_fork.transport.slab import Slab, async_shares, slab_node
 from gym_fork.worker import protocol as P
 
@@ -102,6 +113,10 @@ class ForkVectorEnv(VectorEnv):
         envs_per_worker: int | str = "auto",
         ring_bytes: int = DEFAULT_RING_BYTES,
         check_actions: bool = False,
+        reset_mode: str = "in_place",
+        branch_id: str | None = None,
+        lineage_log: str | os.PathLike | bool | None = True,
+        _prepare: tuple | None = None,
     ) -> None:
         self.env_fns = env_fns
         self.shared_memory = shared_memory
@@ -143,33 +158,83 @@ class ForkVectorEnv(VectorEnv):
         self.num_envs = len(env_fns)
         if self.num_envs == 0:
             raise ValueError("ForkVectorEnv needs at least one env_fn")
+        if reset_mode not in ("in_place", "clone"):
+            raise ValueError(f"`reset_mode` must be 'in_place' or 'clone', got {reset_mode!r}")
+        if reset_mode == "clone" and envs_per_worker != 1:
+            raise ValueError("reset_mode='clone' needs one sandbox per sub-env: envs_per_worker=1")
         self.envs_per_worker = envs_per_worker
         self.ring_bytes = ring_bytes
         self.check_actions = check_actions
-        self._state = AsyncState.DEFAULT
-        self._seq = 0
-        self._workers: list[WorkerHandle] = []
-        self._slab: Slab | None = None
-        self._host: ProcessHost | None = None
-        self._slab_fd = -1
-        self.closed = False
+        self.reset_mode = reset_mode
+        self._prepare = _prepare
+        self._origins = list(range(self.num_envs)) if _prepare is None else [0] * self.num_envs
+        self._init_plumbing()
         try:
             self._start()
+            self._start_lineage(branch_id, lineage_log)
         except BaseException:
             self._teardown(terminate=True)
             self.closed = True
             raise
 
     # -- construction ---------------------------------------------------------------
+    def _init_plumbing(self) -> None:
+        self._state = AsyncState.DEFAULT
+        self._seq = 0
+        self._workers: list[WorkerHandle] = []
+        self._slab: Slab | None = None
+        self._host: ProcessHost | None = None
+        self._slab_fd = -1
+        self._lineage: Lineage | None = None
+        self.closed = False
+
+    @classmethod
+    def from_parent(
+        cls,
+        env_fn: Callable[[], Env],
+        num_envs: int,
+        *,
+        warmup: Callable[[Env], Any] | None = None,
+        ready_check: Callable[[Env], Any] | None = None,
+        seed: int | None = None,
+        reset_mode: str = "clone",
+        **kwargs: Any,
+    ) -> ForkVectorEnv:
+        """Prepare one env once in a warm parent and clone it ``num_envs`` times.
+
+        The warm parent builds ``env_fn()``, calls ``env.reset(seed=seed)`` when a seed is
+        given, then ``warmup(env)`` and ``ready_check(env)`` (False or an exception means
+        not ready), and only then is marked ready. Every sub-env is a copy-on-write clone
+        of that prepared process; with ``reset_mode="clone"`` (default) every ``reset()``
+        starts the reset sub-envs from a fresh clone too. Other keyword arguments are
+        those of the constructor.
+        """
+        if kwargs.get("envs_per_worker", 1) != 1:
+            raise ValueError("from_parent clones one sandbox per sub-env: envs_per_worker=1")
+        kwargs["envs_per_worker"] = 1
+        return cls(
+            [env_fn] * num_envs,
+            reset_mode=reset_mode,
+            _prepare=(warmup, ready_check, seed),
+            **kwargs,
+        )
+
     def _start(self) -> None:
-        self._host = ProcessHost(self.env_fns)
+        started = time.perf_counter()
+        self._host = ProcessHost(
+            self.env_fns[:1] if self._prepare else self.env_fns, prepare=self._prepare
+        )
+        self._timings = {"parent_ready_s": time.perf_counter() - started}
         self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC)
         groups = [
             list(range(start, min(start + self.envs_per_worker, self.num_envs)))
             for start in range(0, self.num_envs, self.envs_per_worker)
         ]
-        self._workers = [self._spawn(indices) for indices in groups]
+        cloned = time.perf_counter()
+        self._workers = self._spawn([self._spec(indices) for indices in groups])
         hellos = [self._receive_hello(w) for w in self._workers]
+        self._timings["sandboxes_ready_s"] = time.perf_counter() - cloned
+        self._hellos = hellos
 
         first = hellos[0]
         metadata = cloudpickle.loads(first["metadata"])
@@ -177,6 +242,7 @@ class ForkVectorEnv(VectorEnv):
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = first["render_mode"]
         obs_spaces = [s for h in hellos for s in cloudpickle.loads(h["observation_spaces"])]
+        self._single_obs_spaces = obs_spaces
         act_spaces = [s for h in hellos for s in cloudpickle.loads(h["action_spaces"])]
         self.single_action_space = act_spaces[0]
         self.action_space = batch_space(self.single_action_space, self.num_envs)
@@ -252,10 +318,60 @@ class ForkVectorEnv(VectorEnv):
                 "from all environments must be equal."
             )
 
-    def _spawn(self, indices: list[int]) -> WorkerHandle:
+    def _spec(self, indices: list[int]) -> WorkerSpec:
         name = f"sub-env {indices[0]}" if len(indices) == 1 else f"sub-envs {indices}"
+        return WorkerSpec(name, indices, [self._origins[i] for i in indices])
+
+    def _spawn(self, specs: list[WorkerSpec]) -> list[WorkerHandle]:
         fd = self._slab_fd if self._slab is None else self._slab.region.fd
-        return self._host.spawn(name, indices, fd, self.ring_bytes)
+        return self._host.spawn(specs, fd, self.ring_bytes)
+
+    def _start_lineage(self, branch_id: str | None, lineage_log) -> None:
+        if lineage_log is True:
+            lineage_log = default_log_path()
+        env_ids = [h.get("spec_id") for h in self._hellos]
+        try:
+            identity = hashlib.sha256(cloudpickle.dumps(list(self.env_fns))).hexdigest()[:16]
+        except Exception:
+            identity = "unpicklable"
+        config = {
+            "num_envs": self.num_envs,
+            "autoreset_mode": self.autoreset_mode.value,
+            "shared_memory": self.shared_memory,
+            "observation_mode": str(self.observation_mode),
+            "envs_per_worker": self.envs_per_worker,
+            "reset_mode": self.reset_mode,
+            "from_parent": self._prepare is not None,
+        }
+        seed = self._prepare[2] if self._prepare else None
+        inputs = baseline_inputs(
+            env_identity=identity,
+            env_ids=env_ids,
+            config=config,
+            seed=seed,
+            host=self._host.kind,
+            isolation=self.isolation,
+        )
+        tree = LineageTree(LineageLog(lineage_log or None), baseline_id(inputs), inputs)
+        branch_id = branch_id or LineageTree.new_root_id()
+        tree.check_free(branch_id)
+        tree.add(
+            BranchRecord(
+                branch_id,
+                None,
+                tree.baseline_id,
+                self.num_envs,
+                timings=dict(self._timings),
+                isolation=self.isolation,
+                pids=self.worker_pids,
+            )
+        )
+        self._lineage = Lineage(tree, branch_id)
+
+    @property
+    def lineage(self) -> Lineage:
+        """Provenance of this vector env: branch id, parent, baseline id, events."""
+        return self._lineage
 
     def _receive_hello(self, worker: WorkerHandle) -> dict[str, Any]:
         _op, _seq, info, errors = self._receive(worker, _Deadline(None), P.HELLO)
@@ -380,6 +496,11 @@ class ForkVectorEnv(VectorEnv):
                 )
             mask = reset_mask
         self._replace_dead_workers()
+        if self.reset_mode == "clone":
+            self._replace_workers(
+                [k for k, w in enumerate(self._workers) if all(mask[i] for i in w.indices)],
+                "reset_by_clone",
+            )
         args = [[[seed[i], options, bool(mask[i])] for i in w.indices] for w in self._workers]
         self._send_all(P.RESET, args)
         self._state = AsyncState.WAITING_RESET
@@ -596,13 +717,13 @@ class ForkVectorEnv(VectorEnv):
                 pass
             except Exception as exc:
                 logger.warn(f"Error while closing the sub-envs: {exc!r}")
-        if self._host is not None:
-            self._host.close()
-            self._host = None
         for w in workers:
             w.watch.kill()
-            w.watch.close()
-            w.channel.close()
+            w.watch.wait_dead(1.0)
+            w.release()
+        if self._host is not None:
+            self._host.release()  # the last user of the warm parent closes it
+            self._host = None
         if self._slab is not None:
             self.observations = None
             self._slab.close()
@@ -610,6 +731,10 @@ class ForkVectorEnv(VectorEnv):
         if self._slab_fd >= 0:
             os.close(self._slab_fd)
             self._slab_fd = -1
+        if self._lineage is not None:
+            self._lineage.tree.close(
+                self._lineage.branch_id, "terminated" if terminate else "closed"
+            )
 
     def __del__(self) -> None:
         """On deleting the object, checks that the vector environment is closed."""
@@ -697,18 +822,237 @@ class ForkVectorEnv(VectorEnv):
             exitcode=code,
         )
 
+    def _replace_workers(self, positions: list[int], why: str) -> None:
+        """Fork fresh sandboxes from the warm parent for the workers at ``positions``."""
+        if not positions:
+            return
+        old = [self._workers[k] for k in positions]
+        for worker in old:
+            worker.watch.kill()
+        fresh = self._spawn([self._spec(w.indices) for w in old])
+        for k, worker in zip(positions, fresh, strict=True):
+            self._workers[k] = worker
+        for worker in old:
+            worker.watch.wait_dead(1.0)
+            worker.release()
+        for worker in fresh:
+            self._receive_hello(worker)
+        self._send_to(fresh, P.ATTACH, self._attach_arg("custom"))
+        for worker in fresh:
+            self._receive(worker, _Deadline(None), P.ATTACH)
+        if self._lineage is not None and why != "reset_by_clone":  # resets would flood the log
+            self._lineage.tree.event(
+                self._lineage.branch_id,
+                why,
+                indices=[i for w in old for i in w.indices],
+                old_pids=[w.pid for w in old],
+                new_pids=[w.pid for w in fresh],
+            )
+
     def _replace_dead_workers(self) -> None:
-        for k, worker in enumerate(self._workers):
-            if worker.alive():
-                continue
-            worker.watch.close()
-            worker.channel.close()
-            replacement = self._spawn(worker.indices)
-            self._workers[k] = replacement
-            self._receive_hello(replacement)
-            arg = self._attach_arg("custom")
-            self._send(replacement, P.ATTACH, arg)
-            self._receive(replacement, _Deadline(None), P.ATTACH)
+        dead = [k for k, w in enumerate(self._workers) if not w.alive()]
+        self._replace_workers(dead, "replaced_dead_sandbox")
+
+    def _send_to(self, workers: list[WorkerHandle], op: int, arg: Any) -> None:
+        seq = self._next_seq()
+        record = pack([op, seq, arg])
+        for worker in workers:
+            worker.channel.send_raw(record)
+            worker.awaiting = seq
+
+    # -- branching ------------------------------------------------------------------
+    def fork(
+        self,
+        branch_id: str,
+        indices: Sequence[int] | None = None,
+        copies: int = 1,
+        reseed: int | Sequence[int | None] | None = None,
+    ) -> ForkVectorEnv:
+        """Branch running sub-envs: a new ForkVectorEnv continuing from their exact state.
+
+        Each sub-env of the branch is a copy-on-write clone of the sandbox of one chosen
+        sub-env (RNG, step counters, wrappers, everything in that process), taken now;
+        the source keeps running untouched. ``indices=[3], copies=8`` fans sub-env 3 out
+        to 8; the branch's sub-envs are ordered by source index, then copy. ``reseed``
+        (an int: seed + j for branch sub-env j; or one seed per branch sub-env) gives
+        clones their own randomness; without it a branch stepped with the source's actions
+        replays the source exactly. Branches can be forked again, closed in any order,
+        and outlive their source. ``branch_id`` must be new in this lineage tree.
+        """
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `fork` while waiting for a pending call to `{self._state.value}` "
+                "to complete.",
+                str(self._state.value),
+            )
+        self._lineage.tree.check_free(branch_id)
+        indices = list(range(self.num_envs)) if indices is None else [int(i) for i in indices]
+        if not indices or any(not 0 <= i < self.num_envs for i in indices):
+            raise ValueError(f"fork indices must be in [0, {self.num_envs}), got {indices}")
+        if not isinstance(copies, int) or copies < 1:
+            raise ValueError(f"copies must be an int >= 1, got {copies!r}")
+        sources = [i for i in indices for _ in range(copies)]
+        n = len(sources)
+        if reseed is None:
+            seeds: list[int | None] = [None] * n
+        elif isinstance(reseed, int | np.integer):
+            seeds = [int(reseed) + j for j in range(n)]
+        else:
+            seeds = list(reseed)
+            if len(seeds) != n:
+                raise ValueError(
+                    f"reseed needs one seed per branch sub-env ({n}), got {len(seeds)}"
+                )
+        dead = [w for w in self._workers if any(i in w.indices for i in indices) and not w.alive()]
+        if dead:
+            raise self._crashed(dead[0], "before fork")
+        started = time.perf_counter()
+        branch = ForkVectorEnv.__new__(ForkVectorEnv)
+        branch._init_branch(self, sources)
+        try:
+            branch._clone_from(self, sources, seeds, branch_id)
+        except BaseException:
+            branch._teardown(terminate=True)
+            branch.closed = True
+            raise
+        elapsed = time.perf_counter() - started
+        tree = self._lineage.tree
+        tree.add(
+            BranchRecord(
+                branch_id,
+                self._lineage.branch_id,
+                tree.baseline_id,
+                n,
+                source_indices=indices,
+                copies=copies,
+                seeds=seeds,
+                timings={"fork_s": elapsed},
+                isolation=branch.isolation,
+                pids=branch.worker_pids,
+            )
+        )
+        branch._lineage = Lineage(tree, branch_id)
+        return branch
+
+    def _init_branch(self, source: ForkVectorEnv, sources: list[int]) -> None:
+        for name in (
+            "env_fns",
+            "shared_memory",
+            "copy",
+            "context",
+            "daemon",
+            "worker",
+            "observation_mode",
+            "autoreset_mode",
+            "max_concurrency",
+            "ring_bytes",
+            "check_actions",
+            "reset_mode",
+            "metadata",
+            "render_mode",
+            "single_action_space",
+            "single_observation_space",
+            "_prepare",
+            "_obs_in_slab",
+        ):
+            setattr(self, name, getattr(source, name))
+        self._init_plumbing()
+        self.num_envs = len(sources)
+        self.envs_per_worker = 1
+        self._origins = [source._origins[i] for i in sources]
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._single_obs_spaces = [source._single_obs_spaces[i] for i in sources]
+        if self.observation_mode == "different":
+            self.observation_space = batch_differing_spaces(self._single_obs_spaces)
+        elif isinstance(self.observation_mode, tuple):
+            self.observation_space = source.observation_space  # custom: as given
+        else:
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self._host = source._host.acquire()
+        self._slab = Slab(
+            self.single_observation_space,
+            self.single_action_space,
+            self.num_envs,
+            use_observations=self._obs_in_slab,
+            region_fd=os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC),
+            owner=True,
+        )
+        self._step_ints = self._integer_action_leaves() if self.check_actions else []
+        # The branch starts where its sources are: their last results, row by row.
+        theirs, mine = source._slab, self._slab
+        for j, i in enumerate(sources):
+            mine.rewards[j] = theirs.rewards[i]
+            mine.terminations[j] = theirs.terminations[i]
+            mine.truncations[j] = theirs.truncations[i]
+            if self._obs_in_slab:
+                mine.observations.write(j, theirs.observations.read(i))
+        if self._obs_in_slab:
+            self.observations = mine.observations.batch()
+        else:
+            rows = list(iterate(source.observation_space, source.observations))
+            self.observations = concatenate(
+                self.single_observation_space,
+                [rows[i] for i in sources],
+                create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros),
+            )
+
+    def _clone_from(
+        self, source: ForkVectorEnv, sources: list[int], seeds: list[int | None], branch_id: str
+    ) -> None:
+        plan: dict[int, list[int]] = {}  # source worker position -> branch indices
+        where = {i: k for k, w in enumerate(source._workers) for i in w.indices}
+        for j, i in enumerate(sources):
+            plan.setdefault(where[i], []).append(j)
+        handles: dict[int, WorkerHandle] = {}
+        for k, branch_indices in plan.items():
+            worker = source._workers[k]
+            specs = [
+                WorkerSpec(f"{branch_id} sub-env {j}", [j], [self._origins[j]])
+                for j in branch_indices
+            ]
+            ends = [new_worker_ends(spec, self.ring_bytes) for spec in specs]
+            fds = [self._slab.region.fd]
+            for channel, _ours, theirs in ends:
+                fds += [channel.region.fd, theirs.fileno()]
+            clones = [
+                [sources[j], j, seeds[j], spec.name]
+                for j, spec in zip(branch_indices, specs, strict=True)
+            ]
+            try:
+                send_message(worker.sock, {"op": "fork"}, fds=tuple(fds))
+                source._send(
+                    worker,
+                    P.FORK,
+                    {
+                        "clones": clones,
+                        "num_envs": self.num_envs,
+                        "ring_capacity": self.ring_bytes,
+                    },
+                )
+                _op, _seq, pids, errors = source._receive(worker, _Deadline(None), P.FORK)
+            except BaseException:
+                for channel, ours, _theirs in ends:
+                    channel.close()
+                    ours.close()
+                raise
+            finally:
+                for _channel, _ours, theirs in ends:
+                    theirs.close()
+            if errors:
+                for channel, ours, _theirs in ends:
+                    channel.close()
+                    ours.close()
+                source._raise_errors(errors)
+            for j, spec, (channel, ours, _theirs), pid in zip(
+                branch_indices, specs, ends, pids, strict=True
+            ):
+                handles[j] = WorkerHandle(
+                    spec.name, [j], channel, pid, ProcessWatch(pid), ours, list(spec.origins)
+                )
+        self._workers = [handles[j] for j in range(self.num_envs)]
+        for worker in self._workers:
+            self._receive(worker, _Deadline(None), P.HELLO)
 
     def _raise_errors(self, errors: list[list[Any]], building: bool = False) -> None:
         errors = sorted(errors, key=lambda e: e[0])

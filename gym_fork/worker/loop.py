@@ -6,8 +6,11 @@ creates the sandbox, hands it a channel fd and a slab fd, and calls :func:`serve
 
 from __future__ import annotations
 
+import gc
 import os
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,8 +21,10 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 
 from gym_fork.errors import BadObservationError
+from gym_fork.system.linux import die_with_parent
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack
+from gym_fork.transport.control import recv_message
 from gym_fork.transport.slab import Slab
 
 from . import protocol as P
@@ -47,30 +52,42 @@ class _SubEnvSlot:
 
 
 class Worker:
-    """Serves one channel for the sub-envs at ``indices``."""
+    """Serves one channel for the sub-envs at ``indices``.
+
+    ``make_env(origin)`` gives the env a slot starts from (a fresh build of env_fns
+    [origin], or the warm parent's prepared prototype). ``sock`` is the side channel
+    that brings fds for ``fork``; ``warm_parent`` adopts the clones this worker forks.
+    """
 
     def __init__(
         self,
         channel: Channel,
         slab_fd: int,
+        sock: socket.socket,
         indices: Sequence[int],
-        env_fns: Sequence[Callable[[], gym.Env]],
+        origins: Sequence[int],
+        make_env: Callable[[int], gym.Env],
+        warm_parent: int,
     ) -> None:
         self.channel = channel
         self.slab_fd = slab_fd
+        self.sock = sock
         self.indices = list(indices)
-        self.env_fns = env_fns
+        self.origins = list(origins)
+        self.make_env = make_env
+        self.warm_parent = warm_parent
         self.slots: list[_SubEnvSlot] = []
         self.slab: Slab | None = None
+        self.attach_arg: dict[str, Any] | None = None
         self.autoreset_mode = AutoresetMode.NEXT_STEP
 
     # -- start-up -------------------------------------------------------------------
     def hello(self) -> bool:
         """Build the sub-envs and report their spaces; False if any failed to build."""
         errors = []
-        for index in self.indices:
+        for index, origin in zip(self.indices, self.origins, strict=True):
             try:
-                env = self.env_fns[index]()
+                env = self.make_env(origin)
             except Exception as exc:
                 errors.append(_error_entry(index, exc))
                 continue
@@ -81,6 +98,7 @@ class Worker:
         first = self.slots[0].env
         info = {
             "pid": os.getpid(),
+            "spec_id": getattr(first.spec, "id", None),
             "metadata": cloudpickle.dumps(dict(first.metadata)),
             "render_mode": first.render_mode,
             "observation_spaces": cloudpickle.dumps([s.env.observation_space for s in self.slots]),
@@ -90,6 +108,7 @@ class Worker:
         return True
 
     def attach(self, arg: dict[str, Any]) -> list[Any]:
+        self.attach_arg = arg
         obs_space = cloudpickle.loads(arg["observation_space"])
         act_space = cloudpickle.loads(arg["action_space"])
         mode = arg["observation_mode"]
@@ -214,6 +233,98 @@ class Worker:
                 errors.append(_error_entry(slot.index, exc))
         return None, errors
 
+    def fork(self, arg: dict[str, Any]) -> tuple[list[int], list[Any]]:
+        """Clone sub-envs of this worker, each into a new sandbox adopted by the warm parent.
+
+        ``arg["clones"]`` lists ``[source_index, branch_index, seed, name]``; the fds
+        (branch slab, then a channel and a socket per clone) arrive on ``self.sock``.
+        """
+        clones = arg["clones"]
+        _message, fds = recv_message(self.sock)
+        if len(fds) != 1 + 2 * len(clones):
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(f"fork: expected {1 + 2 * len(clones)} fds, got {len(fds)}")
+        branch_arg = dict(self.attach_arg, num_envs=arg["num_envs"])
+        gc.collect()
+        pids = []
+        try:
+            for k, (source_index, branch_index, seed, name) in enumerate(clones):
+                slot = next(s for s in self.slots if s.index == source_index)
+                mine = (fds[0], fds[1 + 2 * k], fds[2 + 2 * k])
+                pids.append(
+                    self._fork_clone(
+                        slot, branch_index, seed, name, mine, fds, branch_arg, arg["ring_capacity"]
+                    )
+                )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return pids, []
+
+    def _fork_clone(self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity):
+        read_end, write_end = os.pipe()
+        intermediate = os.fork()
+        if intermediate == 0:
+            try:
+                os.close(read_end)
+                clone = os.fork()
+                if clone == 0:
+                    os.close(write_end)
+                    self._become_clone(
+                        slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity
+                    )
+                os.write(write_end, clone.to_bytes(8, "little"))
+            finally:
+                os._exit(0)  # the clone is orphaned and adopted by the warm parent
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            data = pipe.read(8)
+        os.waitpid(intermediate, 0)
+        if len(data) != 8:
+            raise RuntimeError(f"fork of sub-env {slot.index} failed in the intermediate")
+        return int.from_bytes(data, "little")
+
+    def _become_clone(self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity):
+        code = 0
+        try:
+            deadline = time.monotonic() + 5.0
+            while os.getppid() != self.warm_parent and time.monotonic() < deadline:
+                time.sleep(0.0002)  # until the intermediate exits and we are adopted
+            die_with_parent(self.warm_parent)
+            slab_fd, channel_fd, sock_fd = mine
+            for fd in all_fds:
+                if fd not in mine:
+                    os.close(fd)
+            # Let go of the source's channel, socket and slab: they are not ours.
+            self.channel.close()
+            self.sock.close()
+            if self.slab is not None:
+                self.slab.close()
+            slot.index = branch_index
+            if seed is not None:
+                _reseed(slot.env, seed)
+            worker = Worker(
+                Channel.attach(channel_fd, capacity, name),
+                slab_fd,
+                socket.socket(fileno=sock_fd),
+                [branch_index],
+                [self.origins[self.slots.index(slot)]],
+                self.make_env,
+                self.warm_parent,
+            )
+            worker.slots = [slot]
+            worker.attach(branch_arg)
+            worker.channel.send([P.HELLO, 0, {"pid": os.getpid()}, None])
+            worker.run()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
     def close_envs(self) -> None:
         for slot in self.slots:
             try:
@@ -243,6 +354,11 @@ class Worker:
                     result, errors = None, [_error_entry(self.indices[0], exc)]
             elif op == P.PING:
                 result, errors = os.getpid(), None
+            elif op == P.FORK:
+                try:
+                    result, errors = self.fork(arg)
+                except Exception as exc:
+                    result, errors = None, [_error_entry(self.indices[0], exc)]
             else:
                 handler = handlers.get(op)
                 if handler is None:
@@ -260,16 +376,32 @@ class Worker:
             channel.send_raw(record)
 
 
+def _reseed(env: gym.Env, seed: int) -> None:
+    """Give a clone its own randomness: the env's np_random and the global RNGs."""
+    import random
+
+    import numpy as np
+
+    env.unwrapped.np_random = np.random.default_rng(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def serve(
     channel_fd: int,
     ring_capacity: int,
     slab_fd: int,
+    sock_fd: int,
     indices: Sequence[int],
-    env_fns: Sequence[Callable[[], gym.Env]],
+    origins: Sequence[int],
+    make_env: Callable[[int], gym.Env],
     name: str,
+    *,
+    warm_parent: int,
 ) -> None:
     """Entry point of a worker sandbox: attach the channel, build, serve, return."""
     channel = Channel.attach(channel_fd, ring_capacity, name)
-    worker = Worker(channel, slab_fd, indices, env_fns)
+    sock = socket.socket(fileno=sock_fd)
+    worker = Worker(channel, slab_fd, sock, indices, origins, make_env, warm_parent)
     if worker.hello():
         worker.run()

@@ -14,6 +14,7 @@ CALL = 4
 SETATTR = 5
 CLOSE = 6
 PING = 7
+FORK = 8
 
 NAMES = {
     HELLO: "hello",
@@ -24,6 +25,7 @@ NAMES = {
     SETATTR: "setattr",
     CLOSE: "close",
     PING: "ping",
+    FORK: "fork",
 }
 
 # Calls that must go through their own method, as AsyncVectorEnv refuses them too.

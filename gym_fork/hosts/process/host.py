@@ -17,9 +17,9 @@ import cloudpickle
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.control import recv_message, send_message
-from gym_fork.hosts.linux import ProcessWatch
+from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import Channel
+from gym_fork.transport.control import recv_message, send_message
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
 
@@ -33,6 +33,8 @@ class WorkerHandle:
     channel: Channel
     pid: int
     watch: ProcessWatch
+    sock: socket.socket | None = None  # side channel for fds (fork), not the hot path
+    origins: list[int] = field(default_factory=list)
     awaiting: int = 0  # seq of the reply this worker still owes, 0 if none
     dead: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -43,6 +45,30 @@ class WorkerHandle:
         if not self.watch.alive():
             self.dead = True
         return not self.dead
+
+    def release(self) -> None:
+        """Close the controller's ends of this worker's channel, socket and pidfd."""
+        self.watch.close()
+        self.channel.close()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+@dataclass
+class WorkerSpec:
+    """What a new worker sandbox hosts: sub-env ``indices`` built from ``origins``."""
+
+    name: str
+    indices: list[int]
+    origins: list[int]
+
+
+def new_worker_ends(spec: WorkerSpec, ring_capacity: int):
+    """The controller's channel and socket for a new worker, and the fds to hand over."""
+    channel = Channel.create(spec.name, ring_capacity)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return channel, ours, theirs
 
 
 class ProcessHost:
@@ -55,8 +81,11 @@ class ProcessHost:
 
     kind = "process"
 
-    def __init__(self, env_fns, *, start_timeout: float = 120.0) -> None:
+    def __init__(
+        self, env_fns, *, prepare: tuple | None = None, start_timeout: float | None = None
+    ) -> None:
         self._lock = threading.Lock()
+        self._users = 1
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -90,21 +119,39 @@ class ProcessHost:
                 "registry": cloudpickle.dumps(dict(registry)),
                 "controller_pid": os.getpid(),
                 "die_with_controller": threading.current_thread() is threading.main_thread(),
+                "prepare": None if prepare is None else cloudpickle.dumps(prepare),
             },
         )
-        reply = self._request_reply(start_timeout, what="warm parent start")
+        try:
+            reply = self._request_reply(start_timeout, what="warm parent start")
+        except SandboxStartError:
+            self.close()
+            raise
         if reply["op"] != "ready":
             self.close()
+            original = reply.get("exception")
+            exc = None
+            if original is not None:
+                try:
+                    exc = cloudpickle.loads(original)
+                except Exception:
+                    exc = None
+            if isinstance(exc, BaseException):
+                exc.add_note(
+                    "[gym_fork] raised while preparing the warm parent; its traceback:\n"
+                    + reply.get("traceback", "")
+                )
+                raise exc
             raise SandboxStartError(
                 f"the warm parent could not prepare the env_fns: {reply.get('error')}\n"
                 f"{reply.get('traceback', '')}"
             )
         self.pid = reply["pid"]
+        self.prepare_seconds = reply.get("prepare_seconds", 0.0)
 
     def _request_reply(self, timeout: float | None, what: str) -> dict:
         readable, _, _ = select.select([self.sock], [], [], timeout)
         if not readable:
-            self.close()
             raise SandboxStartError(f"{what}: no answer within {timeout} s")
         try:
             message, _ = recv_message(self.sock)
@@ -114,31 +161,73 @@ class ProcessHost:
         return message
 
     def spawn(
-        self, name: str, indices: list[int], slab_fd: int, ring_capacity: int
-    ) -> WorkerHandle:
-        """Fork a worker for the sub-envs at ``indices`` from the warm parent."""
-        channel = Channel.create(name, ring_capacity)
-        with self._lock:
-            try:
-                send_message(
-                    self.sock,
-                    {
-                        "op": "spawn",
-                        "name": name,
-                        "indices": indices,
-                        "ring_capacity": ring_capacity,
-                    },
-                    fds=(channel.region.fd, slab_fd),
-                )
-                reply = self._request_reply(30.0, what=f"spawn {name}")
-            except (OSError, SandboxStartError):
+        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int
+    ) -> list[WorkerHandle]:
+        """Fork one worker per spec from the warm parent (batched, one message per 100)."""
+        handles: list[WorkerHandle] = []
+        for start in range(0, len(specs), 100):
+            handles += self._spawn_batch(specs[start : start + 100], slab_fd, ring_capacity)
+        return handles
+
+    def _spawn_batch(
+        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int
+    ) -> list[WorkerHandle]:
+        ends = [new_worker_ends(spec, ring_capacity) for spec in specs]
+        fds = [slab_fd]
+        for channel, _ours, theirs in ends:
+            fds += [channel.region.fd, theirs.fileno()]
+        message = {
+            "op": "spawn",
+            "workers": [
+                {
+                    "name": spec.name,
+                    "indices": spec.indices,
+                    "origins": spec.origins,
+                    "ring_capacity": ring_capacity,
+                }
+                for spec in specs
+            ],
+        }
+        try:
+            with self._lock:
+                send_message(self.sock, message, fds=tuple(fds))
+                reply = self._request_reply(60.0, what=f"spawn {specs[0].name}")
+        except BaseException:
+            for channel, ours, _theirs in ends:
                 channel.close()
-                raise
+                ours.close()
+            raise
+        finally:
+            for _channel, _ours, theirs in ends:
+                theirs.close()
         if reply["op"] != "spawned":
-            channel.close()
-            raise SandboxStartError(f"spawn {name}: {reply.get('error')}")
-        pid = reply["pid"]
-        return WorkerHandle(name, list(indices), channel, pid, ProcessWatch(pid))
+            for channel, ours, _theirs in ends:
+                channel.close()
+                ours.close()
+            raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
+        return [
+            WorkerHandle(
+                spec.name,
+                list(spec.indices),
+                channel,
+                pid,
+                ProcessWatch(pid),
+                ours,
+                list(spec.origins),
+            )
+            for spec, (channel, ours, _theirs), pid in zip(specs, ends, reply["pids"], strict=True)
+        ]
+
+    def acquire(self) -> ProcessHost:
+        """One more vector env (a root or a branch) uses this warm parent."""
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        """A user is done; the last one closes the warm parent and its sandboxes."""
+        self._users -= 1
+        if self._users <= 0:
+            self.close()
 
     def exit_code(self, pid: int) -> int | None:
         """Exit code of a worker (negative: signal), None if unknown or running."""

@@ -3,8 +3,10 @@
 Started by :class:`gym_fork.hosts.process.host.ProcessHost` as
 ``python -m gym_fork.hosts.process.parent FD`` (never forked from the user's process,
 which may hold threads, locks or a CUDA context). It receives the env_fns, imports
-what they need once (unpickling them does), then forks one worker per request. It
-exits, killing its workers, when the controller closes the control socket or dies.
+what they need once (unpickling them does), optionally builds and warms one prototype
+env (``from_parent``), then forks workers on request. It is a child subreaper, so the
+clones that workers fork for branches are adopted by it and outlive their source. It
+exits, killing every sandbox, when the controller closes the control socket or dies.
 """
 
 from __future__ import annotations
@@ -16,23 +18,28 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import cloudpickle
 
-from gym_fork.hosts import linux
-from gym_fork.hosts.control import recv_message, send_message
+from gym_fork.system import linux
+from gym_fork.transport.control import recv_message, send_message
 
 
 class WarmParent:
-    """State of the warm parent process: its env_fns and its live workers."""
+    """State of the warm parent process: its env_fns, prototype and sandboxes."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.env_fns = None
-        self.children: dict[int, int | None] = {}  # pid -> exit code (None: running)
+        self.prototype = None  # the prepared env of from_parent, None otherwise
+        self.exit_codes: dict[int, int] = {}
+        self.spawned: set[int] = set()
+        self.prepare_seconds = 0.0
 
     def prepare(self, message: dict) -> None:
+        start = time.perf_counter()
         sys.path[:] = message["sys_path"]
         with contextlib.suppress(OSError):
             os.chdir(message["cwd"])
@@ -42,42 +49,73 @@ class WarmParent:
         for env_id, spec in registry.items():
             local_registry.setdefault(env_id, spec)
         self.env_fns = cloudpickle.loads(message["env_fns"])
-        # Objects alive now are shared copy-on-write with every worker: keep the
+        prepare = message.get("prepare")
+        if prepare is not None:
+            warmup, ready_check, seed = cloudpickle.loads(prepare)
+            env = self.env_fns[0]()
+            if seed is not None:
+                env.reset(seed=seed)
+            if warmup is not None:
+                warmup(env)
+            if ready_check is not None and ready_check(env) is False:
+                raise RuntimeError("ready_check(env) returned False: the parent is not ready")
+            self.prototype = env
+        # Objects alive now are shared copy-on-write with every sandbox: keep the
         # collector from touching (and so copying) their pages after fork.
         gc.collect()
         gc.freeze()
+        self.prepare_seconds = time.perf_counter() - start
 
-    def spawn(self, message: dict, fds: list[int]) -> int:
-        channel_fd, slab_fd = fds
-        parent_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                linux.die_with_parent(parent_pid)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                self.sock.close()
-                from gym_fork.worker.loop import serve
+    def make_env(self, origin: int):
+        """The env a new sandbox starts from: the prototype's copy, or a fresh build."""
+        if self.prototype is not None:
+            return self.prototype
+        return self.env_fns[origin]()
 
-                serve(
-                    channel_fd,
-                    message["ring_capacity"],
-                    slab_fd,
-                    message["indices"],
-                    self.env_fns,
-                    message["name"],
-                )
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        os.close(channel_fd)
-        os.close(slab_fd)
-        self.children[pid] = None
-        return pid
+    def spawn(self, message: dict, fds: list[int]) -> list[int]:
+        """Fork one worker per entry of ``message['workers']``; fds: slab, then pairs."""
+        slab_fd, rest = fds[0], fds[1:]
+        pids = []
+        for k, spec in enumerate(message["workers"]):
+            channel_fd, sock_fd = rest[2 * k], rest[2 * k + 1]
+            pid = os.fork()
+            if pid == 0:
+                for fd in fds:
+                    if fd not in (slab_fd, channel_fd, sock_fd):
+                        os.close(fd)
+                self._become_worker(spec, channel_fd, slab_fd, sock_fd)
+            pids.append(pid)
+            self.spawned.add(pid)
+        for fd in fds:
+            os.close(fd)
+        return pids
+
+    def _become_worker(self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int) -> None:
+        code = 0
+        try:
+            linux.die_with_parent(self.pid)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self.sock.close()
+            from gym_fork.worker.loop import serve
+
+            serve(
+                channel_fd,
+                spec["ring_capacity"],
+                slab_fd,
+                sock_fd,
+                spec["indices"],
+                spec["origins"],
+                self.make_env,
+                spec["name"],
+                warm_parent=self.pid,
+            )
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
     def reap(self) -> None:
         while True:
@@ -87,18 +125,20 @@ class WarmParent:
                 return
             if pid == 0:
                 return
-            self.children[pid] = os.waitstatus_to_exitcode(status)
+            self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
+            self.spawned.discard(pid)
 
     def kill_children(self) -> None:
-        for pid, code in self.children.items():
-            if code is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        deadline_reaps = 50
-        while deadline_reaps and any(c is None for c in self.children.values()):
+        # Sandboxes adopted from workers die with us through their PDEATHSIG; the ones
+        # we forked ourselves are killed and reaped here.
+        for pid in list(self.spawned):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(50):
             self.reap()
+            if not self.spawned:
+                return
             select.select([], [], [], 0.01)
-            deadline_reaps -= 1
 
     def serve(self) -> None:
         while True:
@@ -113,13 +153,14 @@ class WarmParent:
             op = message["op"]
             if op == "spawn":
                 try:
-                    pid = self.spawn(message, fds)
-                    send_message(self.sock, {"op": "spawned", "pid": pid})
+                    pids = self.spawn(message, fds)
+                    send_message(self.sock, {"op": "spawned", "pids": pids})
                 except Exception as exc:
                     send_message(self.sock, {"op": "error", "error": repr(exc)})
             elif op == "status":
                 self.reap()
-                send_message(self.sock, {"op": "status", "code": self.children.get(message["pid"])})
+                code = self.exit_codes.get(message["pid"])
+                send_message(self.sock, {"op": "status", "code": code})
             elif op == "exit":
                 return
 
@@ -127,7 +168,9 @@ class WarmParent:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
+    linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
     parent = WarmParent(sock)
+    parent.pid = os.getpid()
     try:
         message, _ = recv_message(sock)
         if message.get("die_with_controller"):
@@ -140,16 +183,26 @@ def main() -> None:
                 {
                     "op": "error",
                     "error": f"{type(exc).__name__}: {exc}",
+                    "exception": _pickled(exc),
                     "traceback": traceback.format_exc(),
                 },
             )
             return
-        send_message(sock, {"op": "ready", "pid": os.getpid()})
+        send_message(
+            sock, {"op": "ready", "pid": os.getpid(), "prepare_seconds": parent.prepare_seconds}
+        )
         parent.serve()
     except (EOFError, ConnectionError):
         pass
     finally:
         parent.kill_children()
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    try:
+        return cloudpickle.dumps(exc)
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 from gym_fork.transport.codec import pack, unpack
 
 _HEADER = struct.Struct("<II")  # payload length, number of fds
-MAX_FDS = 16
+MAX_FDS = 253  # SCM_MAX_FD: the kernel passes at most this many per message
 
 
 def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:

@@ -1,0 +1,16 @@
+"""Provenance: baseline ids, branch records, the append-only lineage log and its tree."""
+
+from gym_fork.lineage.baseline import baseline_id, baseline_inputs
+from gym_fork.lineage.log import LineageLog, default_log_path, read_log
+from gym_fork.lineage.tree import Lineage, LineageTree, render_tree
+
+__all__ = [
+    "Lineage",
+    "LineageLog",
+    "LineageTree",
+    "baseline_id",
+    "baseline_inputs",
+    "default_log_path",
+    "read_log",
+    "render_tree",
+]

@@ -1,0 +1,1 @@
+"""Operating-system primitives (prctl, pidfd, exit status): the lowest layer."""
