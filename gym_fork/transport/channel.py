@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from gym_fork.errors import RingTimeout, TransportError
+
 from .codec import pack, unpack
 from .region import Region
 from .ring import Ring, ring_bytes
 
 DEFAULT_RING_BYTES = 1 << 20
+
+# Each record ends with one tag byte: a message fits in one record (WHOLE) or is split
+# into fragments (MORE ... LAST) so that no message is ever too big for a ring.
+WHOLE, MORE, LAST = 0, 1, 2
+# How long a reader waits for the next fragment of a message already begun.
+FRAGMENT_TIMEOUT = 30.0
 
 
 class Channel:
@@ -27,6 +35,7 @@ class Channel:
             region, ring_bytes(capacity), capacity, create=create, name=f"{name} replies"
         )
         self.outbox, self.inbox = (requests, replies) if controller else (replies, requests)
+        self.max_fragment = capacity // 4
 
     @classmethod
     def create(cls, name: str, capacity: int = DEFAULT_RING_BYTES) -> Channel:
@@ -40,15 +49,43 @@ class Channel:
 
     def send(self, message: Any, timeout: float | None = None) -> None:
         """Encode ``message`` and append it to this side's outgoing ring."""
-        self.outbox.write(pack(message), timeout=timeout)
+        self.send_raw(pack(message), timeout)
 
     def send_raw(self, record: bytes, timeout: float | None = None) -> None:
-        """Append an already-encoded record (hot path: one encode, many workers)."""
-        self.outbox.write(record, timeout=timeout)
+        """Append an already-encoded message (hot path: one encode, many workers)."""
+        if len(record) <= self.max_fragment:
+            self.outbox.write_tagged(record, WHOLE, timeout)
+            return
+        view = memoryview(record)
+        step = self.max_fragment
+        for start in range(0, len(view), step):
+            tag = LAST if start + step >= len(view) else MORE
+            self.outbox.write_tagged(view[start : start + step], tag, timeout)
 
     def recv(self, timeout: float | None = None) -> Any:
-        """Take and decode the next incoming record."""
-        return unpack(self.inbox.read(timeout))
+        """Take and decode the next incoming message."""
+        view = self.inbox.read(timeout)
+        if view[-1] == WHOLE:
+            return unpack(view[:-1])
+        parts = []
+        while True:
+            if view[-1] not in (MORE, LAST):
+                raise TransportError(
+                    f"{self.inbox.name!r}: record tag {view[-1]} is not a gym_fork tag",
+                    worker=self.inbox.name,
+                    reason="tag",
+                )
+            parts.append(bytes(view[:-1]))
+            if view[-1] == LAST:
+                return unpack(b"".join(parts))
+            try:
+                view = self.inbox.read(FRAGMENT_TIMEOUT)
+            except RingTimeout:
+                raise TransportError(
+                    f"{self.inbox.name!r}: a multi-part message stopped after {len(parts)} parts",
+                    worker=self.inbox.name,
+                    reason="torn",
+                ) from None
 
     def close(self) -> None:
         self.outbox.release()

@@ -25,6 +25,9 @@ _REASONS = {
 }
 
 
+_TAGS = [ffi.new("char[1]", bytes([t])) for t in range(4)]
+
+
 def ring_bytes(capacity: int) -> int:
     """Bytes one ring of ``capacity`` data bytes occupies in a region."""
     return CONTROL_BYTES + capacity
@@ -87,18 +90,36 @@ class Ring:
             body_len,
             -1 if timeout is None else _timeout_ns(timeout),
         )
-        if rc == lib.GF_OK:
-            return
+        if rc != lib.GF_OK:
+            self._raise_write(rc, len(head) + body_len, timeout)
+
+    def _raise_write(self, rc: int, size: int, timeout: float | None) -> None:
         if rc == lib.GF_ETIMEDOUT:
             raise RingTimeout(f"ring {self.name!r} stayed full for {timeout} s")
         if rc == lib.GF_ETOOBIG:
             raise TransportError(
-                f"ring {self.name!r}: a record of {len(head) + body_len} bytes can never fit "
-                f"in a ring of {self.capacity} bytes (raise ring_bytes=)",
+                f"ring {self.name!r}: a record of {size} bytes can never fit "
+                f"in a ring of {self.capacity} bytes",
                 worker=self.name,
                 reason="too_big",
             )
         raise self._corrupt(rc)
+
+    def write_tagged(self, record, tag: int, timeout: float | None = None) -> None:
+        """Append ``record`` followed by one tag byte (no per-call buffer export for bytes)."""
+        size = len(record) if type(record) is bytes else memoryview(record).nbytes
+        if type(record) is not bytes:
+            record = ffi.from_buffer(record)
+        rc = lib.gf_ring_write(
+            self._ring,
+            record,
+            size,
+            _TAGS[tag],
+            1,
+            -1 if timeout is None else _timeout_ns(timeout),
+        )
+        if rc != lib.GF_OK:
+            self._raise_write(rc, size + 1, timeout)
 
     def read(self, timeout: float | None = None) -> memoryview:
         """Take the next record; the view is valid until the next ``read``."""
