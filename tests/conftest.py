@@ -13,7 +13,13 @@ os.environ.setdefault(
     "GYM_FORK_LINEAGE_LOG", os.path.join(tempfile.mkdtemp(prefix="gym_fork-test-"), "lineage.jsonl")
 )
 
-from tests.helpers import descendants, gym_fork_shm_files, open_fds, wait_until
+from tests.helpers import (
+    descendants,
+    gym_fork_scratch_dirs,
+    gym_fork_shm_files,
+    open_fds,
+    wait_until,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +29,7 @@ def no_leaks(request):
         return
     gc.collect()
     procs_before, fds_before, shm_before = descendants(), open_fds(), gym_fork_shm_files()
+    scratch_before = gym_fork_scratch_dirs()
     yield
     gc.collect()
     assert wait_until(lambda: descendants() <= procs_before), (
@@ -30,3 +37,6 @@ def no_leaks(request):
     )
     assert wait_until(lambda: open_fds() <= fds_before), f"leaked fds: {open_fds() - fds_before}"
     assert gym_fork_shm_files() <= shm_before
+    assert wait_until(lambda: gym_fork_scratch_dirs() <= scratch_before), (
+        f"leaked scratch dirs: {gym_fork_scratch_dirs() - scratch_before}"
+    )

@@ -60,6 +60,23 @@ class SpaceEnv(gym.Env):
     def add(self, x, y=1):
         return self.t + x + y
 
+    def write_scratch(self, name, text):
+        import tempfile
+
+        with open(os.path.join(tempfile.gettempdir(), name), "w") as f:
+            f.write(text)
+
+    def read_scratch(self, name):
+        import tempfile
+
+        with open(os.path.join(tempfile.gettempdir(), name)) as f:
+            return f.read()
+
+    def scratch_dir(self):
+        import tempfile
+
+        return tempfile.gettempdir()
+
 
 def descendants(pid: int | None = None) -> set[int]:
     """All live descendant pids of ``pid`` (default: this process)."""
@@ -91,6 +108,13 @@ def open_fds() -> set[int]:
 
 def gym_fork_shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "gym_fork" in n}
+
+
+def gym_fork_scratch_dirs() -> set[str]:
+    import tempfile
+
+    base = tempfile.gettempdir()
+    return {n for n in os.listdir(base) if n.startswith("gym_fork-scratch-")}
 
 
 def wait_until(predicate, timeout: float = 3.0) -> bool:

@@ -22,9 +22,9 @@ def prctl(option: int, value: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def die_with_parent(expected_parent: int) -> None:
-    """SIGKILL this process when its parent dies; exit now if it already has."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    """Get ``sig`` when the parent dies; exit now if it already has."""
+    prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != expected_parent:
         os._exit(70)
 

@@ -1052,7 +1052,7 @@ class ForkVectorEnv(VectorEnv):
                 )
         self._workers = [handles[j] for j in range(self.num_envs)]
         for worker in self._workers:
-            self._receive(worker, _Deadline(None), P.HELLO)
+            worker.info = self._receive(worker, _Deadline(None), P.HELLO)[2]
 
     def _raise_errors(self, errors: list[list[Any]], building: bool = False) -> None:
         errors = sorted(errors, key=lambda e: e[0])

@@ -28,6 +28,7 @@ from gym_fork.transport.control import recv_message
 from gym_fork.transport.slab import Slab
 
 from . import protocol as P
+from .scratch import enter_scratch, remove_scratch
 
 
 def _error_entry(index: int, exc: BaseException) -> list[Any]:
@@ -80,6 +81,7 @@ class Worker:
         self.slab: Slab | None = None
         self.attach_arg: dict[str, Any] | None = None
         self.autoreset_mode = AutoresetMode.NEXT_STEP
+        self.scratch: str | None = None
 
     # -- start-up -------------------------------------------------------------------
     def hello(self) -> bool:
@@ -98,6 +100,7 @@ class Worker:
         first = self.slots[0].env
         info = {
             "pid": os.getpid(),
+            "scratch": self.scratch,
             "spec_id": getattr(first.spec, "id", None),
             "metadata": cloudpickle.dumps(dict(first.metadata)),
             "render_mode": first.render_mode,
@@ -314,8 +317,9 @@ class Worker:
                 self.warm_parent,
             )
             worker.slots = [slot]
+            worker.scratch = enter_scratch(self.warm_parent, copy_from=self.scratch)
             worker.attach(branch_arg)
-            worker.channel.send([P.HELLO, 0, {"pid": os.getpid()}, None])
+            worker.channel.send([P.HELLO, 0, {"pid": os.getpid(), "scratch": worker.scratch}, None])
             worker.run()
         except BaseException:
             traceback.print_exc()
@@ -345,6 +349,7 @@ class Worker:
             op, seq, arg = channel.recv()
             if op == P.CLOSE:
                 self.close_envs()
+                remove_scratch(self.scratch)
                 channel.send([P.CLOSE, seq, None, None])
                 return
             if op == P.ATTACH:
@@ -403,5 +408,6 @@ def serve(
     channel = Channel.attach(channel_fd, ring_capacity, name)
     sock = socket.socket(fileno=sock_fd)
     worker = Worker(channel, slab_fd, sock, indices, origins, make_env, warm_parent)
+    worker.scratch = enter_scratch(warm_parent)
     if worker.hello():
         worker.run()

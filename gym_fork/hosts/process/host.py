@@ -20,6 +20,7 @@ from gym_fork.errors import SandboxStartError
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
+from gym_fork.worker.scratch import remove_scratch
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
 
@@ -47,7 +48,11 @@ class WorkerHandle:
         return not self.dead
 
     def release(self) -> None:
-        """Close the controller's ends of this worker's channel, socket and pidfd."""
+        """Close the controller's ends of this worker's channel, socket and pidfd.
+
+        The sandbox must be dead or closed: its scratch directory is removed too.
+        """
+        remove_scratch(self.info.get("scratch"))
         self.watch.close()
         self.channel.close()
         if self.sock is not None:

@@ -95,6 +95,7 @@ class WarmParent:
         try:
             linux.die_with_parent(self.pid)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.sock.close()
             from gym_fork.worker.loop import serve
 
@@ -129,6 +130,14 @@ class WarmParent:
             self.spawned.discard(pid)
 
     def kill_children(self) -> None:
+        try:
+            self._kill_children()
+        finally:
+            from gym_fork.worker.scratch import sweep
+
+            sweep(self.pid)
+
+    def _kill_children(self) -> None:
         # Sandboxes adopted from workers die with us through their PDEATHSIG; the ones
         # we forked ourselves are killed and reaped here.
         for pid in list(self.spawned):
@@ -168,13 +177,15 @@ class WarmParent:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
     parent = WarmParent(sock)
     parent.pid = os.getpid()
     try:
         message, _ = recv_message(sock)
         if message.get("die_with_controller"):
-            linux.die_with_parent(message["controller_pid"])
+            # SIGTERM (not SIGKILL) so that the finally below still cleans up.
+            linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
         try:
             parent.prepare(message)
         except Exception as exc:
@@ -196,6 +207,10 @@ def main() -> None:
         pass
     finally:
         parent.kill_children()
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _pickled(exc: BaseException) -> bytes | None:
