@@ -186,6 +186,7 @@ class ForkVectorEnv(VectorEnv):
         self._host: ProcessHost | None = None
         self._slab_fd = -1
         self._lineage: Lineage | None = None
+        self._replacement_attach: bytes | None = None
         self.closed = False
 
     @classmethod
@@ -322,9 +323,9 @@ class ForkVectorEnv(VectorEnv):
         name = f"sub-env {indices[0]}" if len(indices) == 1 else f"sub-envs {indices}"
         return WorkerSpec(name, indices, [self._origins[i] for i in indices])
 
-    def _spawn(self, specs: list[WorkerSpec]) -> list[WorkerHandle]:
+    def _spawn(self, specs: list[WorkerSpec], attach: bytes | None = None) -> list[WorkerHandle]:
         fd = self._slab_fd if self._slab is None else self._slab.region.fd
-        return self._host.spawn(specs, fd, self.ring_bytes)
+        return self._host.spawn(specs, fd, self.ring_bytes, attach)
 
     def _start_lineage(self, branch_id: str | None, lineage_log) -> None:
         if lineage_log is True:
@@ -829,7 +830,10 @@ class ForkVectorEnv(VectorEnv):
         old = [self._workers[k] for k in positions]
         for worker in old:
             worker.watch.kill()
-        fresh = self._spawn([self._spec(w.indices) for w in old])
+        if getattr(self, "_replacement_attach", None) is None:
+            # Pickled once: the warm parent unpickles it once too, then shares it.
+            self._replacement_attach = cloudpickle.dumps(self._attach_arg("custom"))
+        fresh = self._spawn([self._spec(w.indices) for w in old], self._replacement_attach)
         for k, worker in zip(positions, fresh, strict=True):
             self._workers[k] = worker
         for worker in old:
@@ -837,9 +841,6 @@ class ForkVectorEnv(VectorEnv):
             worker.release()
         for worker in fresh:
             self._receive_hello(worker)
-        self._send_to(fresh, P.ATTACH, self._attach_arg("custom"))
-        for worker in fresh:
-            self._receive(worker, _Deadline(None), P.ATTACH)
         if self._lineage is not None and why != "reset_by_clone":  # resets would flood the log
             self._lineage.tree.event(
                 self._lineage.branch_id,

@@ -84,8 +84,12 @@ class Worker:
         self.scratch: str | None = None
 
     # -- start-up -------------------------------------------------------------------
-    def hello(self) -> bool:
-        """Build the sub-envs and report their spaces; False if any failed to build."""
+    def hello(self, attach: dict[str, Any] | None = None) -> bool:
+        """Build the sub-envs and report them; False if any failed to build.
+
+        With ``attach`` (a replacement sandbox: the controller knows the spaces already)
+        the worker attaches at once and reports only its pid and scratch dir.
+        """
         errors = []
         for index, origin in zip(self.indices, self.origins, strict=True):
             try:
@@ -97,6 +101,10 @@ class Worker:
         if errors:
             self.channel.send([P.HELLO, 0, None, errors])
             return False
+        if attach is not None:
+            self.attach(attach)
+            self.channel.send([P.HELLO, 0, {"pid": os.getpid(), "scratch": self.scratch}, None])
+            return True
         first = self.slots[0].env
         info = {
             "pid": os.getpid(),
@@ -111,9 +119,10 @@ class Worker:
         return True
 
     def attach(self, arg: dict[str, Any]) -> list[Any]:
-        self.attach_arg = arg
-        obs_space = cloudpickle.loads(arg["observation_space"])
-        act_space = cloudpickle.loads(arg["action_space"])
+        obs_space = _loaded(arg["observation_space"])
+        act_space = _loaded(arg["action_space"])
+        # Kept unpickled: clones forked from this worker attach with it directly.
+        self.attach_arg = dict(arg, observation_space=obs_space, action_space=act_space)
         mode = arg["observation_mode"]
         self.autoreset_mode = AutoresetMode(arg["autoreset_mode"])
         self.slab = Slab(
@@ -249,52 +258,67 @@ class Worker:
                 os.close(fd)
             raise RuntimeError(f"fork: expected {1 + 2 * len(clones)} fds, got {len(fds)}")
         branch_arg = dict(self.attach_arg, num_envs=arg["num_envs"])
-        gc.collect()
-        pids = []
+        gc.freeze()  # what lives now is shared with the clones: keep the GC off it
+        plan = []
+        for k, (source_index, branch_index, seed, name) in enumerate(clones):
+            slot = next(s for s in self.slots if s.index == source_index)
+            mine = (fds[0], fds[1 + 2 * k], fds[2 + 2 * k])
+            plan.append((slot, branch_index, seed, name, mine))
         try:
-            for k, (source_index, branch_index, seed, name) in enumerate(clones):
-                slot = next(s for s in self.slots if s.index == source_index)
-                mine = (fds[0], fds[1 + 2 * k], fds[2 + 2 * k])
-                pids.append(
-                    self._fork_clone(
-                        slot, branch_index, seed, name, mine, fds, branch_arg, arg["ring_capacity"]
-                    )
-                )
+            pids = self._fork_clones(plan, fds, branch_arg, arg["ring_capacity"])
         finally:
             for fd in fds:
                 os.close(fd)
         return pids, []
 
-    def _fork_clone(self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity):
+    def _fork_clones(self, plan, all_fds, branch_arg, capacity) -> list[int]:
+        """Double fork: one short-lived intermediate forks every clone, then exits, so
+        the clones are orphaned and adopted by the warm parent (a subreaper) and outlive
+        this worker. One intermediate for the whole batch keeps a fan-out cheap."""
         read_end, write_end = os.pipe()
+        # The gate: clones block on it until the intermediate (its only other writer) is
+        # gone, i.e. until they are orphans about to be adopted, instead of polling.
+        gate_read, gate_write = os.pipe()
         intermediate = os.fork()
         if intermediate == 0:
             try:
                 os.close(read_end)
-                clone = os.fork()
-                if clone == 0:
-                    os.close(write_end)
-                    self._become_clone(
-                        slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity
-                    )
-                os.write(write_end, clone.to_bytes(8, "little"))
+                for slot, branch_index, seed, name, mine in plan:
+                    clone = os.fork()
+                    if clone == 0:
+                        os.close(write_end)
+                        os.close(gate_write)
+                        self._become_clone(
+                            slot,
+                            branch_index,
+                            seed,
+                            name,
+                            mine,
+                            all_fds,
+                            branch_arg,
+                            capacity,
+                            gate_read,
+                        )
+                    os.write(write_end, clone.to_bytes(8, "little"))
             finally:
-                os._exit(0)  # the clone is orphaned and adopted by the warm parent
+                os._exit(0)
+        os.close(gate_read)
+        os.close(gate_write)
         os.close(write_end)
         with os.fdopen(read_end, "rb") as pipe:
-            data = pipe.read(8)
+            data = pipe.read()
         os.waitpid(intermediate, 0)
-        if len(data) != 8:
-            raise RuntimeError(f"fork of sub-env {slot.index} failed in the intermediate")
-        return int.from_bytes(data, "little")
+        if len(data) != 8 * len(plan):
+            raise RuntimeError(
+                f"fork: {len(data) // 8} of {len(plan)} clones were created before a failure"
+            )
+        return [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
 
-    def _become_clone(self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity):
+    def _become_clone(
+        self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity, gate
+    ):
         code = 0
         try:
-            deadline = time.monotonic() + 5.0
-            while os.getppid() != self.warm_parent and time.monotonic() < deadline:
-                time.sleep(0.0002)  # until the intermediate exits and we are adopted
-            die_with_parent(self.warm_parent)
             slab_fd, channel_fd, sock_fd = mine
             for fd in all_fds:
                 if fd not in mine:
@@ -320,6 +344,7 @@ class Worker:
             worker.scratch = enter_scratch(self.warm_parent, copy_from=self.scratch)
             worker.attach(branch_arg)
             worker.channel.send([P.HELLO, 0, {"pid": os.getpid(), "scratch": worker.scratch}, None])
+            _await_adoption(gate, self.warm_parent)
             worker.run()
         except BaseException:
             traceback.print_exc()
@@ -381,6 +406,23 @@ class Worker:
             channel.send_raw(record)
 
 
+def _await_adoption(gate: int, warm_parent: int) -> None:
+    """Block until the intermediate is gone (EOF on the gate), then tie our life to the
+    warm parent that adopts us. Set-up and HELLO happen before, in parallel."""
+    while os.read(gate, 1):
+        pass
+    os.close(gate)
+    deadline = time.monotonic() + 5.0
+    while os.getppid() != warm_parent and time.monotonic() < deadline:
+        time.sleep(0.0001)  # exit_files() runs just before the reparenting in exit()
+    die_with_parent(warm_parent)
+
+
+def _loaded(value: Any) -> Any:
+    """A space sent pickled (bytes) or already unpickled by the warm parent."""
+    return cloudpickle.loads(value) if isinstance(value, bytes) else value
+
+
 def _reseed(env: gym.Env, seed: int) -> None:
     """Give a clone its own randomness: the env's np_random and the global RNGs."""
     import random
@@ -403,11 +445,12 @@ def serve(
     name: str,
     *,
     warm_parent: int,
+    attach: dict[str, Any] | None = None,
 ) -> None:
     """Entry point of a worker sandbox: attach the channel, build, serve, return."""
     channel = Channel.attach(channel_fd, ring_capacity, name)
     sock = socket.socket(fileno=sock_fd)
     worker = Worker(channel, slab_fd, sock, indices, origins, make_env, warm_parent)
     worker.scratch = enter_scratch(warm_parent)
-    if worker.hello():
+    if worker.hello(attach):
         worker.run()

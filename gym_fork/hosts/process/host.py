@@ -166,16 +166,24 @@ class ProcessHost:
         return message
 
     def spawn(
-        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int
+        self,
+        specs: list[WorkerSpec],
+        slab_fd: int,
+        ring_capacity: int,
+        attach: bytes | None = None,
     ) -> list[WorkerHandle]:
-        """Fork one worker per spec from the warm parent (batched, one message per 100)."""
+        """Fork one worker per spec from the warm parent (batched, one message per 100).
+
+        ``attach`` (the pickled attach argument) makes the workers attach to the slab
+        at once, for replacements whose spaces the controller already knows.
+        """
         handles: list[WorkerHandle] = []
         for start in range(0, len(specs), 100):
-            handles += self._spawn_batch(specs[start : start + 100], slab_fd, ring_capacity)
+            handles += self._spawn_batch(specs[start : start + 100], slab_fd, ring_capacity, attach)
         return handles
 
     def _spawn_batch(
-        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int
+        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int, attach: bytes | None
     ) -> list[WorkerHandle]:
         ends = [new_worker_ends(spec, ring_capacity) for spec in specs]
         fds = [slab_fd]
@@ -183,6 +191,7 @@ class ProcessHost:
             fds += [channel.region.fd, theirs.fileno()]
         message = {
             "op": "spawn",
+            "attach": attach,
             "workers": [
                 {
                     "name": spec.name,

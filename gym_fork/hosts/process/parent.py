@@ -37,6 +37,7 @@ class WarmParent:
         self.exit_codes: dict[int, int] = {}
         self.spawned: set[int] = set()
         self.prepare_seconds = 0.0
+        self._attach_cache: dict[bytes, dict] = {}
 
     def prepare(self, message: dict) -> None:
         start = time.perf_counter()
@@ -60,6 +61,8 @@ class WarmParent:
             if ready_check is not None and ready_check(env) is False:
                 raise RuntimeError("ready_check(env) returned False: the parent is not ready")
             self.prototype = env
+        import gym_fork.worker.loop  # noqa: F401  (imported once here, not in every sandbox)
+
         # Objects alive now are shared copy-on-write with every sandbox: keep the
         # collector from touching (and so copying) their pages after fork.
         gc.collect()
@@ -75,6 +78,7 @@ class WarmParent:
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
         """Fork one worker per entry of ``message['workers']``; fds: slab, then pairs."""
         slab_fd, rest = fds[0], fds[1:]
+        attach = self._attach_arg(message.get("attach"))
         pids = []
         for k, spec in enumerate(message["workers"]):
             channel_fd, sock_fd = rest[2 * k], rest[2 * k + 1]
@@ -83,14 +87,27 @@ class WarmParent:
                 for fd in fds:
                     if fd not in (slab_fd, channel_fd, sock_fd):
                         os.close(fd)
-                self._become_worker(spec, channel_fd, slab_fd, sock_fd)
+                self._become_worker(spec, channel_fd, slab_fd, sock_fd, attach)
             pids.append(pid)
             self.spawned.add(pid)
         for fd in fds:
             os.close(fd)
         return pids
 
-    def _become_worker(self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int) -> None:
+    def _attach_arg(self, pickled: bytes | None) -> dict | None:
+        """The controller's attach argument, spaces unpickled once and then shared."""
+        if pickled is None:
+            return None
+        if pickled not in self._attach_cache:
+            arg = cloudpickle.loads(pickled)
+            for key in ("observation_space", "action_space"):
+                arg[key] = cloudpickle.loads(arg[key])
+            self._attach_cache[pickled] = arg
+        return self._attach_cache[pickled]
+
+    def _become_worker(
+        self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
+    ) -> None:
         code = 0
         try:
             linux.die_with_parent(self.pid)
@@ -109,6 +126,7 @@ class WarmParent:
                 self.make_env,
                 spec["name"],
                 warm_parent=self.pid,
+                attach=attach,
             )
         except BaseException:
             traceback.print_exc()

@@ -1,0 +1,169 @@
+"""Clone time, fan-out and memory of gym_fork clones against cold starts (one run).
+
+    .venv/bin/python benchmarks/clone_report.py [--quick]
+
+For CartPole-v1 and a synthetic heavy env (benchmarks/heavy_env.py: 1.5 s of init,
+200 MB of touched state; with and without transparent huge pages):
+  cold      env_fn() + reset + first step, in this process
+  clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step
+  fork      fork() of a running sub-env into a 1-env branch + first step
+  fan-out   fork(copies=64) + one step of all 64
+  memory    PSS of the 64 clones (after their first step) against 64 x the PSS of one
+            independent process holding the same env (nothing shared between those)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from heavy_env import HeavyEnv
+
+from gym_fork import ForkVectorEnv
+
+
+def pss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+INDEPENDENT = """
+import sys, gymnasium as gym
+sys.path.insert(0, {bench!r})
+from heavy_env import HeavyEnv
+env = {expr}
+env.reset(seed=0); env.step(0)
+with open("/proc/self/smaps_rollup") as f:
+    print(next(int(l.split()[1]) for l in f if l.startswith("Pss:")))
+"""
+
+
+def independent_pss_kb(expr: str) -> int:
+    code = INDEPENDENT.format(bench=os.path.dirname(os.path.abspath(__file__)), expr=expr)
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
+
+
+def measure(name: str, make, expr: str, cold_runs: int, clone_runs: int) -> dict:
+    cold = []
+    for _ in range(cold_runs):
+        start = time.perf_counter()
+        env = make()
+        env.reset(seed=0)
+        env.step(0)
+        cold.append(time.perf_counter() - start)
+        env.close()
+        del env
+
+    envs = ForkVectorEnv.from_parent(make, 1, lineage_log=False)
+    one = np.zeros(1, dtype=np.int64)
+    try:
+        envs.reset(seed=0)
+        envs.step(one)
+        clone = []
+        for i in range(clone_runs):
+            start = time.perf_counter()
+            envs.reset(seed=i)  # a fresh clone of the warm parent
+            envs.step(one)
+            clone.append(time.perf_counter() - start)
+        fork = []
+        for i in range(clone_runs):
+            start = time.perf_counter()
+            branch = envs.fork(f"f{i}")
+            branch.step(one)
+            fork.append(time.perf_counter() - start)
+            branch.close()
+        fan, pss = [], []
+        for i in range(3):
+            start = time.perf_counter()
+            branch = envs.fork(f"fan{i}", copies=64)
+            branch.step(np.zeros(64, dtype=np.int64))
+            fan.append(time.perf_counter() - start)
+            pss.append(sum(pss_kb(p) for p in branch.worker_pids))
+            branch.close()
+    finally:
+        envs.close()
+    independent = independent_pss_kb(expr)
+    return {
+        "name": name,
+        "cold": cold,
+        "clone": clone,
+        "fork": fork,
+        "fan": fan,
+        "clones_pss_kb": statistics.median(pss),
+        "independent_pss_kb": independent * 64,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer runs, 50 MB heavy env")
+    args = parser.parse_args()
+    runs = 15 if args.quick else 50
+    mb = 50 if args.quick else 200
+    cases = [
+        ("CartPole-v1", cartpole, "gym.make('CartPole-v1')", 20),
+        (
+            f"heavy {mb} MB, THP on",
+            functools.partial(HeavyEnv, 1.5, mb, True),
+            f"HeavyEnv(1.5, {mb}, True)",
+            2,
+        ),
+        (
+            f"heavy {mb} MB, THP off",
+            functools.partial(HeavyEnv, 1.5, mb, False),
+            f"HeavyEnv(1.5, {mb}, False)",
+            2,
+        ),
+    ]
+    rows = [measure(name, make, expr, cold_runs, runs) for name, make, expr, cold_runs in cases]
+    ms = 1000.0
+    print(
+        f"{'env':<24}{'cold p50':>10}{'clone p50/p99':>16}{'fork p50/p99':>15}"
+        f"{'vs cold':>9}{'fan-out 64':>12}{'PSS 64 clones':>15}{'vs 64 indep.':>13}"
+    )
+    for r in rows:
+        cold = statistics.median(r["cold"])
+        clone50, clone99 = pct(r["clone"], 0.5), pct(r["clone"], 0.99)
+        fork50, fork99 = pct(r["fork"], 0.5), pct(r["fork"], 0.99)
+        print(
+            f"{r['name']:<24}{cold * ms:>8.1f}ms"
+            f"{clone50 * ms:>8.2f}/{clone99 * ms:<6.2f}ms"
+            f"{fork50 * ms:>7.2f}/{fork99 * ms:<6.2f}ms"
+            f"{cold / clone50:>8.0f}x"
+            f"{statistics.median(r['fan']) * ms:>10.1f}ms"
+            f"{r['clones_pss_kb'] / 1024:>12.1f} MB"
+            f"{r['independent_pss_kb'] / max(1, r['clones_pss_kb']):>11.1f}x"
+        )
+    print(
+        "\nvs cold: cold p50 / clone p50. vs 64 indep.: 64 independent processes' PSS divided"
+        " by the 64 clones' PSS (the goal is >= 20x)."
+    )
+
+
+if __name__ == "__main__":
+    main()
