@@ -8,7 +8,8 @@ For CartPole-v1 and a synthetic heavy env (benchmarks/heavy_env.py: 1.5 s of ini
   clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step
   fork      fork() of a running sub-env into a 1-env branch + first step
   fan-out   fork(copies=64) + one step of all 64
-  memory    PSS of the 64 clones (after their first step) against 64 x the PSS of one
+  memory    PSS added by the 64 clones (after their first step: the PSS of the warm parent,
+            source and clones minus that before the fan-out) against 64 x the PSS of one
             independent process holding the same env (nothing shared between those)
 """
 
@@ -98,12 +99,16 @@ def measure(name: str, make, expr: str, cold_runs: int, clone_runs: int) -> dict
             fork.append(time.perf_counter() - start)
             branch.close()
         fan, pss = [], []
+        tree = [envs._host.pid, *envs.worker_pids]  # the warm parent and the source
         for i in range(3):
+            before = sum(pss_kb(p) for p in tree)
             start = time.perf_counter()
             branch = envs.fork(f"fan{i}", copies=64)
             branch.step(np.zeros(64, dtype=np.int64))
             fan.append(time.perf_counter() - start)
-            pss.append(sum(pss_kb(p) for p in branch.worker_pids))
+            # PSS adds up to real memory use: the clones' cost is what the whole tree
+            # grew by (their private pages plus nothing else: shared pages only re-split).
+            pss.append(sum(pss_kb(p) for p in tree + branch.worker_pids) - before)
             branch.close()
     finally:
         envs.close()
@@ -144,7 +149,7 @@ def main() -> None:
     ms = 1000.0
     print(
         f"{'env':<24}{'cold p50':>10}{'clone p50/p99':>16}{'fork p50/p99':>15}"
-        f"{'vs cold':>9}{'fan-out 64':>12}{'PSS 64 clones':>15}{'vs 64 indep.':>13}"
+        f"{'vs cold':>9}{'fan-out 64':>12}{'PSS +64 clones':>15}{'vs 64 indep.':>13}"
     )
     for r in rows:
         cold = statistics.median(r["cold"])
@@ -161,7 +166,7 @@ def main() -> None:
         )
     print(
         "\nvs cold: cold p50 / clone p50. vs 64 indep.: 64 independent processes' PSS divided"
-        " by the 64 clones' PSS (the goal is >= 20x)."
+        " by the PSS the 64 clones added (the goal is >= 20x)."
     )
 
 
