@@ -72,6 +72,42 @@ class SpaceEnv(gym.Env):
         with open(os.path.join(tempfile.gettempdir(), name)) as f:
             return f.read()
 
+    def tcp_connect(self, port):
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return "connected"
+        except OSError as exc:
+            return f"failed: {exc}"
+
+    def write_tmp_if_marked(self, path, text):
+        if self.marker == "write":
+            with open(path, "w") as f:
+                f.write(text)
+
+    def read_file(self, path):
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def allocate(self, nbytes):
+        return int(np.ones(nbytes // 8).sum())
+
+    def hostname(self):
+        import socket
+
+        return socket.gethostname()
+
+    def burn_cpu(self, seconds):
+        import time
+
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
     def scratch_dir(self):
         import tempfile
 

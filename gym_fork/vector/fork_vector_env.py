@@ -32,6 +32,7 @@ from gymnasium.vector.utils import (
 
 from gym_fork.errors import BadActionError, RingTimeout, SubEnvCrashed
 from gym_fork.hosts.process.host import ProcessHost, WorkerHandle, WorkerSpec, new_worker_ends
+from gym_fork.hosts.process.isolation import IsolationConfig, SandboxLimits
 from gym_fork.lineage import (
     Lineage,
     LineageLog,
@@ -49,6 +50,9 @@ from gym_fork.transport.slab import Slab, async_shares, slab_node
 from gym_fork.worker import protocol as P
 
 __all__ = ["ForkVectorEnv"]
+
+# Sets of missing isolation layers already warned about (once per process each).
+_WARNED_MISSING: set[tuple[str, ...]] = set()
 
 # How often a wait checks that the worker it waits on is still alive.
 _LIVENESS_SLICE = 0.1
@@ -93,6 +97,13 @@ class ForkVectorEnv(VectorEnv):
             context switches; worker-mates share a process). ``1`` forces one sandbox
             per sub-env. Branches made by ``fork`` are always one sub-env per sandbox.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
+        network: give sandboxes the host's network (default False: an empty network
+            namespace, where the host allows one).
+        limits: :class:`SandboxLimits` (memory, CPU seconds, open files, processes).
+        namespaces: isolate sandboxes with Linux namespaces where the host allows it.
+        private_tmp: give each sandbox its own /tmp and /dev/shm (default True; files an
+            env writes there are invisible to the host and to other sandboxes, and gone
+            when the sandbox ends: write outputs such as videos elsewhere, or pass False).
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
@@ -116,6 +127,10 @@ class ForkVectorEnv(VectorEnv):
         reset_mode: str = "in_place",
         branch_id: str | None = None,
         lineage_log: str | os.PathLike | bool | None = True,
+        network: bool = False,
+        limits: SandboxLimits | None = None,
+        namespaces: bool = True,
+        private_tmp: bool = True,
         _prepare: tuple | None = None,
     ) -> None:
         self.env_fns = env_fns
@@ -166,12 +181,19 @@ class ForkVectorEnv(VectorEnv):
         self.ring_bytes = ring_bytes
         self.check_actions = check_actions
         self.reset_mode = reset_mode
+        self.isolation_config = IsolationConfig(
+            namespaces=namespaces,
+            network=network,
+            private_tmp=private_tmp,
+            limits=limits or SandboxLimits(),
+        )
         self._prepare = _prepare
         self._origins = list(range(self.num_envs)) if _prepare is None else [0] * self.num_envs
         self._init_plumbing()
         try:
             self._start()
             self._start_lineage(branch_id, lineage_log)
+            self._warn_missing_isolation()
         except BaseException:
             self._teardown(terminate=True)
             self.closed = True
@@ -223,7 +245,9 @@ class ForkVectorEnv(VectorEnv):
     def _start(self) -> None:
         started = time.perf_counter()
         self._host = ProcessHost(
-            self.env_fns[:1] if self._prepare else self.env_fns, prepare=self._prepare
+            self.env_fns[:1] if self._prepare else self.env_fns,
+            prepare=self._prepare,
+            isolation=self.isolation_config,
         )
         self._timings = {"parent_ready_s": time.perf_counter() - started}
         self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC)
@@ -432,8 +456,23 @@ class ForkVectorEnv(VectorEnv):
 
     @property
     def isolation(self) -> dict[str, Any]:
-        """The isolation this vector env's host actually achieved."""
-        return self._host.isolation if self._host is not None else {}
+        """The isolation this vector env's sandboxes actually achieved (as they reported)."""
+        if self._host is None:
+            return {}
+        report = self._workers[0].info.get("isolation") if self._workers else None
+        achieved = self._host.isolation(report)
+        achieved["sub_envs_per_sandbox"] = self.envs_per_worker
+        return achieved
+
+    def _warn_missing_isolation(self) -> None:
+        missing = self.isolation.get("missing", {})
+        key = tuple(sorted(missing))
+        if key and key not in _WARNED_MISSING:
+            _WARNED_MISSING.add(key)
+            logger.warn(
+                "gym_fork sandboxes run without: "
+                + "; ".join(f"{layer} ({why})" for layer, why in sorted(missing.items()))
+            )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -950,6 +989,7 @@ class ForkVectorEnv(VectorEnv):
             "ring_bytes",
             "check_actions",
             "reset_mode",
+            "isolation_config",
             "metadata",
             "render_mode",
             "single_action_space",

@@ -21,6 +21,7 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 
 from gym_fork.errors import BadObservationError
+from gym_fork.hosts.process.isolation import enter_sandbox
 from gym_fork.system.linux import die_with_parent
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack
@@ -28,7 +29,7 @@ from gym_fork.transport.control import recv_message
 from gym_fork.transport.slab import Slab
 
 from . import protocol as P
-from .scratch import enter_scratch, remove_scratch
+from .scratch import remove_scratch
 
 
 def _error_entry(index: int, exc: BaseException) -> list[Any]:
@@ -82,6 +83,9 @@ class Worker:
         self.attach_arg: dict[str, Any] | None = None
         self.autoreset_mode = AutoresetMode.NEXT_STEP
         self.scratch: str | None = None
+        self.isolation_config = None  # IsolationConfig, set by serve()
+        self.tree_isolation = None  # Isolation of the tree, set by serve()
+        self.isolation: dict[str, Any] = {}
 
     # -- start-up -------------------------------------------------------------------
     def hello(self, attach: dict[str, Any] | None = None) -> bool:
@@ -103,12 +107,11 @@ class Worker:
             return False
         if attach is not None:
             self.attach(attach)
-            self.channel.send([P.HELLO, 0, {"pid": os.getpid(), "scratch": self.scratch}, None])
+            self.channel.send([P.HELLO, 0, self._identity(), None])
             return True
         first = self.slots[0].env
         info = {
-            "pid": os.getpid(),
-            "scratch": self.scratch,
+            **self._identity(),
             "spec_id": getattr(first.spec, "id", None),
             "metadata": cloudpickle.dumps(dict(first.metadata)),
             "render_mode": first.render_mode,
@@ -117,6 +120,16 @@ class Worker:
         }
         self.channel.send([P.HELLO, 0, info, None])
         return True
+
+    def _identity(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "scratch": self.scratch, "isolation": self.isolation}
+
+    def enter_sandbox(self, copy_from: str | None = None) -> None:
+        """Isolate this freshly forked process (see hosts/process/isolation.py)."""
+        self.scratch, achieved = enter_sandbox(
+            self.isolation_config, self.tree_isolation, self.warm_parent, copy_from
+        )
+        self.isolation = achieved.report()
 
     def attach(self, arg: dict[str, Any]) -> list[Any]:
         obs_space = _loaded(arg["observation_space"])
@@ -341,9 +354,11 @@ class Worker:
                 self.warm_parent,
             )
             worker.slots = [slot]
-            worker.scratch = enter_scratch(self.warm_parent, copy_from=self.scratch)
+            worker.isolation_config = self.isolation_config
+            worker.tree_isolation = self.tree_isolation
+            worker.enter_sandbox(copy_from=self.scratch)
             worker.attach(branch_arg)
-            worker.channel.send([P.HELLO, 0, {"pid": os.getpid(), "scratch": worker.scratch}, None])
+            worker.channel.send([P.HELLO, 0, worker._identity(), None])
             _await_adoption(gate, self.warm_parent)
             worker.run()
         except BaseException:
@@ -445,12 +460,14 @@ def serve(
     name: str,
     *,
     warm_parent: int,
+    isolation: tuple,
     attach: dict[str, Any] | None = None,
 ) -> None:
-    """Entry point of a worker sandbox: attach the channel, build, serve, return."""
+    """Entry point of a worker sandbox: isolate, attach the channel, build, serve."""
     channel = Channel.attach(channel_fd, ring_capacity, name)
     sock = socket.socket(fileno=sock_fd)
     worker = Worker(channel, slab_fd, sock, indices, origins, make_env, warm_parent)
-    worker.scratch = enter_scratch(warm_parent)
+    worker.isolation_config, worker.tree_isolation = isolation
+    worker.enter_sandbox()
     if worker.hello(attach):
         worker.run()

@@ -1,12 +1,11 @@
-"""A private scratch directory per sandbox, set as its TMPDIR.
+"""Where sandboxes' scratch directories live, and their removal.
 
-Every sandbox gets its own directory under the host's temp dir, named
-``gym_fork-scratch-<warm parent pid>-<pid>-*``; a clone starts with a copy of its
-source's scratch (files there are part of the state a fork continues from), so a
-branch's writes are invisible to its source and siblings. The worker removes its
-directory on close; the controller removes it for a sandbox that died, and the warm
-parent sweeps its own prefix when it exits. (Namespaced hosts replace this with a
-private /tmp mount.)
+With namespaces a sandbox's /tmp and /dev/shm are its own tmpfs mounts and there is
+nothing on the host to remove. Without, each sandbox owns a host directory
+``gym_fork-scratch-<warm parent pid>-<pid>-*`` set as its TMPDIR (made by
+:func:`gym_fork.hosts.process.isolation.enter_sandbox`). The worker removes its own on
+close; the warm parent removes a dead sandbox's when it reaps it, and sweeps all of
+them at exit.
 """
 
 from __future__ import annotations
@@ -28,20 +27,16 @@ def base_dir() -> str:
     return base
 
 
-def enter_scratch(warm_parent: int, copy_from: str | None = None) -> str:
-    """Create this process's scratch dir (a copy of ``copy_from``) and make it TMPDIR."""
-    path = tempfile.mkdtemp(prefix=f"gym_fork-scratch-{warm_parent}-{os.getpid()}-", dir=base_dir())
-    if copy_from and os.path.isdir(copy_from):
-        shutil.copytree(copy_from, path, symlinks=True, dirs_exist_ok=True)
-    os.environ["TMPDIR"] = path
-    tempfile.tempdir = path
-    return path
-
-
 def remove_scratch(path: str | None) -> None:
     """Delete a scratch dir (missing is fine)."""
     if path:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_sandbox_scratch(warm_parent: int, pid: int) -> None:
+    """Remove the scratch dir of one (dead) sandbox of this warm parent."""
+    for path in glob.glob(os.path.join(base_dir(), f"gym_fork-scratch-{warm_parent}-{pid}-*")):
+        remove_scratch(path)
 
 
 def sweep(warm_parent: int) -> None:

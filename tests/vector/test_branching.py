@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import gymnasium as gym
@@ -106,30 +107,33 @@ def test_a_branch_replays_its_source_exactly_and_diverges_when_reseeded(name):
         envs.close()
 
 
-def test_branch_memory_and_scratch_files_are_private():
+def test_branch_memory_and_tmp_files_are_private():
     envs = ForkVectorEnv(
         [lambda: SpaceEnv(spaces.Discrete(5)) for _ in range(2)],
         envs_per_worker=1,
         lineage_log=False,
     )
+    branches = []
+    name = f"gym_fork-test-{os.getpid()}.txt"
     try:
         envs.reset(seed=0)
-        envs.call("write_scratch", "shared.txt", "from the source")
+        envs.call("write_scratch", name, "from the source")
         a = envs.fork("a", indices=[0])
         b = envs.fork("b", indices=[0])
+        branches += [a, b]
         a.set_attr("marker", "written in a")
-        a.call("write_scratch", "shared.txt", "from a")
+        a.call("write_scratch", name, "from a")
         assert b.get_attr("marker") == ("initial",)
         assert envs.get_attr("marker") == ("initial", "initial")
-        assert a.call("read_scratch", "shared.txt") == ("from a",)
-        assert b.call("read_scratch", "shared.txt") == ("from the source",)
-        assert envs.call("read_scratch", "shared.txt")[0] == "from the source"
-        dirs = {d for envs_ in (envs, a, b) for d in envs_.call("scratch_dir")}
-        assert len(dirs) == 4  # two source sandboxes, two branches: all different
-        a.close()
-        b.close()
-        assert not any(os.path.exists(d) for d in dirs if d not in envs.call("scratch_dir"))
+        # A clone starts with a copy of its source's temp files, then diverges.
+        assert a.call("read_scratch", name) == ("from a",)
+        assert b.call("read_scratch", name) == ("from the source",)
+        assert envs.call("read_scratch", name)[0] == "from the source"
+        host_tmp = os.path.join(tempfile.gettempdir(), name)
+        assert not os.path.exists(host_tmp)
     finally:
+        for branch in branches:
+            branch.close()
         envs.close()
 
 
@@ -224,6 +228,7 @@ def test_from_parent_prepares_once_and_resets_from_fresh_clones(tmp_path):
         warmup=warm,
         ready_check=lambda env: env.warm,
         lineage_log=tmp_path / "lineage.jsonl",
+        private_tmp=False,  # the env logs into the host's tmp_path
     )
     try:
         built = [f for f in os.listdir(log_dir) if f.startswith("built-")]

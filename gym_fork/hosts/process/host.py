@@ -17,6 +17,7 @@ import cloudpickle
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.process.isolation import IsolationConfig
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
@@ -50,9 +51,12 @@ class WorkerHandle:
     def release(self) -> None:
         """Close the controller's ends of this worker's channel, socket and pidfd.
 
-        The sandbox must be dead or closed: its scratch directory is removed too.
+        The sandbox must be dead or closed: its scratch directory is removed too (when
+        it is a host path; inside a namespaced tree the warm parent removes it).
         """
-        remove_scratch(self.info.get("scratch"))
+        scratch = self.info.get("scratch")
+        if scratch and not scratch.startswith("/proc/"):
+            remove_scratch(scratch)
         self.watch.close()
         self.channel.close()
         if self.sock is not None:
@@ -87,8 +91,14 @@ class ProcessHost:
     kind = "process"
 
     def __init__(
-        self, env_fns, *, prepare: tuple | None = None, start_timeout: float | None = None
+        self,
+        env_fns,
+        *,
+        prepare: tuple | None = None,
+        isolation: IsolationConfig | None = None,
+        start_timeout: float | None = None,
     ) -> None:
+        self.isolation_config = isolation or IsolationConfig()
         self._lock = threading.Lock()
         self._users = 1
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -125,6 +135,7 @@ class ProcessHost:
                 "controller_pid": os.getpid(),
                 "die_with_controller": threading.current_thread() is threading.main_thread(),
                 "prepare": None if prepare is None else cloudpickle.dumps(prepare),
+                "isolation": cloudpickle.dumps(self.isolation_config),
             },
         )
         try:
@@ -153,6 +164,7 @@ class ProcessHost:
             )
         self.pid = reply["pid"]
         self.prepare_seconds = reply.get("prepare_seconds", 0.0)
+        self.tree_isolation = reply.get("isolation", {})
 
     def _request_reply(self, timeout: float | None, what: str) -> dict:
         readable, _, _ = select.select([self.sock], [], [], timeout)
@@ -252,10 +264,32 @@ class ProcessHost:
             except (OSError, SandboxStartError, EOFError):
                 return None
 
-    @property
-    def isolation(self) -> dict[str, Any]:
-        """What separates sandboxes on this host, as achieved (not as hoped)."""
-        return {"host": self.kind, "process": True, "address_space": "copy-on-write fork"}
+    def isolation(self, sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What separates sandboxes on this host, as achieved (not as hoped).
+
+        ``sandbox`` is the report of one sandbox (its HELLO); without it, the tree's.
+        """
+        report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
+        tree = report.get("tree") or self.tree_isolation.get("tree", {})
+        missing = dict(self.tree_isolation.get("missing", {}))
+        missing.update(report.get("missing", {}))
+        return {
+            "host": self.kind,
+            "process": True,
+            "address_space": "copy-on-write fork",
+            "network": "off" if tree.get("net") else "host",
+            "namespaces": {
+                "mount": bool(report.get("sandbox", {}).get("mount")),
+                "ipc": bool(report.get("sandbox", {}).get("ipc")),
+                "uts": bool(tree.get("uts")),
+                "net": bool(tree.get("net")),
+                "pid": False,
+            },
+            "private_tmp": bool(report.get("sandbox", {}).get("private_tmp")),
+            "no_new_privs": bool(report.get("sandbox", {}).get("no_new_privs")),
+            "limits": report.get("limits", {}),
+            "missing": missing,
+        }
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""

@@ -23,8 +23,10 @@ import traceback
 
 import cloudpickle
 
+from gym_fork.hosts.process.isolation import IsolationConfig, isolate_tree
 from gym_fork.system import linux
 from gym_fork.transport.control import recv_message, send_message
+from gym_fork.worker.scratch import remove_sandbox_scratch, sweep
 
 
 class WarmParent:
@@ -38,6 +40,8 @@ class WarmParent:
         self.spawned: set[int] = set()
         self.prepare_seconds = 0.0
         self._attach_cache: dict[bytes, dict] = {}
+        self.isolation_config = IsolationConfig()
+        self.tree_isolation = None
 
     def prepare(self, message: dict) -> None:
         start = time.perf_counter()
@@ -126,6 +130,7 @@ class WarmParent:
                 self.make_env,
                 spec["name"],
                 warm_parent=self.pid,
+                isolation=(self.isolation_config, self.tree_isolation),
                 attach=attach,
             )
         except BaseException:
@@ -146,13 +151,12 @@ class WarmParent:
                 return
             self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
             self.spawned.discard(pid)
+            remove_sandbox_scratch(self.pid, pid)
 
     def kill_children(self) -> None:
         try:
             self._kill_children()
         finally:
-            from gym_fork.worker.scratch import sweep
-
             sweep(self.pid)
 
     def _kill_children(self) -> None:
@@ -204,6 +208,8 @@ def main() -> None:
         if message.get("die_with_controller"):
             # SIGTERM (not SIGKILL) so that the finally below still cleans up.
             linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
+        parent.isolation_config = cloudpickle.loads(message["isolation"])
+        parent.tree_isolation = isolate_tree(parent.isolation_config)
         try:
             parent.prepare(message)
         except Exception as exc:
@@ -218,7 +224,13 @@ def main() -> None:
             )
             return
         send_message(
-            sock, {"op": "ready", "pid": os.getpid(), "prepare_seconds": parent.prepare_seconds}
+            sock,
+            {
+                "op": "ready",
+                "pid": os.getpid(),
+                "prepare_seconds": parent.prepare_seconds,
+                "isolation": parent.tree_isolation.report(),
+            },
         )
         parent.serve()
     except (EOFError, ConnectionError):

@@ -1,0 +1,202 @@
+"""Sandbox isolation for the process host: namespaces, private /tmp, limits.
+
+Two levels, chosen so that the fork path stays fast:
+
+- The **tree** (the warm parent and every sandbox it or its sandboxes fork) gets, once:
+  a mount namespace whose mounts do not propagate to the host, private tmpfs mounts on
+  /tmp and /dev/shm for the warm parent, a UTS namespace, and unless ``network=True`` an
+  empty network namespace (no interface up, not even loopback).
+- Each **sandbox** gets, at birth: its own mount namespace with its own tmpfs on /tmp and
+  on /dev/shm, filled with a copy of its source's (the warm parent's, or the running
+  sandbox's it was forked from: files are part of the state a fork continues from), its
+  own IPC namespace (SysV IPC, POSIX message queues), no_new_privs, and the limits. A
+  sandbox's tmpfs lives exactly as long as its mount namespace: nothing to clean up,
+  even after a SIGKILL.
+
+What is not isolated is reported, never assumed: see :func:`Isolation.report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gym_fork.system import linux
+from gym_fork.system import namespaces as ns
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-sandbox resource limits (None: not limited).
+
+    ``memory_bytes`` caps the sandbox's data segment and anonymous memory (RLIMIT_DATA);
+    an allocation beyond it fails inside the env (numpy raises MemoryError), which is
+    reported as that sub-env's error. ``cpu_seconds`` (RLIMIT_CPU) kills a sandbox with
+    SIGXCPU. ``open_files`` is RLIMIT_NOFILE; ``processes`` is RLIMIT_NPROC, which the
+    kernel counts per user and does not enforce for root.
+    """
+
+    memory_bytes: int | None = None
+    cpu_seconds: int | None = None
+    open_files: int | None = None
+    processes: int | None = None
+
+
+@dataclass(frozen=True)
+class IsolationConfig:
+    """What the caller asks for; :class:`Isolation` records what was achieved."""
+
+    namespaces: bool = True
+    network: bool = False
+    private_tmp: bool = True
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+
+@dataclass
+class Isolation:
+    """Layers achieved in one sandbox (or tree); ``missing`` says why a layer is not."""
+
+    tree: dict[str, bool] = field(default_factory=dict)
+    sandbox: dict[str, bool] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- tree level (warm parent) --------------------------------------------------------
+def isolate_tree(config: IsolationConfig) -> Isolation:
+    """Run once in the warm parent, before anything is built or forked."""
+    achieved = Isolation()
+    achieved.missing["pid"] = (
+        "not isolated: a sandbox's clones must outlive it, and a pid namespace dies with "
+        "its first process"
+    )
+    if not config.namespaces:
+        achieved.missing["namespaces"] = "disabled by the caller (isolation.namespaces=False)"
+        return achieved
+    flags = ns.CLONE_NEWNS | ns.CLONE_NEWUTS | (0 if config.network else ns.CLONE_NEWNET)
+    try:
+        ns.unshare(flags)
+    except OSError as exc:
+        why = f"unshare failed ({exc.strerror}): needs root or user namespaces"
+        for layer in ("mount", "uts", "net", "private_tmp"):
+            achieved.missing[layer] = why
+        return achieved
+    achieved.tree.update(mount=True, uts=True, net=not config.network)
+    if config.network:
+        achieved.missing["net"] = "network=True: the host's network is shared"
+    with contextlib.suppress(OSError):
+        ns.sethostname("gym-fork")
+    if not config.private_tmp:
+        achieved.missing["private_tmp"] = "private_tmp=False: /tmp and /dev/shm are the host's"
+        return achieved
+    try:
+        ns.make_mounts_private()
+        for target in ("/tmp", "/dev/shm"):
+            ns.mount("tmpfs", target, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
+        achieved.tree["private_tmp"] = True
+    except OSError as exc:
+        achieved.missing["private_tmp"] = f"tmpfs on /tmp failed ({exc.strerror})"
+    return achieved
+
+
+# -- sandbox level ---------------------------------------------------------------------
+def enter_sandbox(
+    config: IsolationConfig, tree: Isolation, warm_parent: int, copy_from: str | None
+) -> tuple[str | None, Isolation]:
+    """Isolate the calling (just forked) sandbox; returns its host scratch dir and report.
+
+    With namespaces the sandbox's /tmp and /dev/shm are its own tmpfs mounts (a copy of
+    its source's) and the scratch dir is None: nothing on the host to clean. Without,
+    it gets a private directory under the host's temp dir as TMPDIR (``copy_from`` is
+    the source's, copied for a clone).
+    """
+    achieved = Isolation(tree=dict(tree.tree), missing=dict(tree.missing))
+    scratch = None
+    if tree.tree.get("private_tmp"):
+        try:
+            ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
+            achieved.sandbox.update(mount=True, ipc=True)
+            for target in ("/tmp", "/dev/shm"):
+                mount_fd = ns.new_tmpfs()
+                _copy_tree(target, f"/proc/self/fd/{mount_fd}")
+                ns.attach_mount(mount_fd, target)
+            achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
+        except OSError as exc:
+            achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
+    if not config.private_tmp:
+        pass  # the caller wants the host's /tmp: nothing private, nothing to copy
+    elif not achieved.sandbox.get("private_tmp"):
+        scratch = tempfile.mkdtemp(
+            prefix=f"gym_fork-scratch-{warm_parent}-{os.getpid()}-", dir=_host_scratch_base()
+        )
+        _copy_tree(copy_from, scratch)
+        os.environ["TMPDIR"] = scratch
+        tempfile.tempdir = scratch
+        achieved.missing.setdefault(
+            "private_tmp", "no private mounts: TMPDIR points to a private directory instead"
+        )
+    else:
+        os.environ["TMPDIR"] = "/tmp"
+        tempfile.tempdir = "/tmp"
+    if not achieved.sandbox.get("mount") and config.namespaces and tree.tree.get("mount"):
+        try:  # still give the sandbox its own IPC namespace
+            ns.unshare(ns.CLONE_NEWIPC)
+            achieved.sandbox["ipc"] = True
+        except OSError as exc:
+            achieved.missing["ipc"] = str(exc)
+    try:
+        linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+        achieved.sandbox["no_new_privs"] = True
+    except OSError as exc:
+        achieved.missing["no_new_privs"] = str(exc)
+    achieved.limits = apply_limits(config.limits, achieved.missing)
+    return scratch, achieved
+
+
+def _copy_tree(source: str | None, target: str) -> None:
+    if source and os.path.isdir(source) and os.listdir(source):
+        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+
+
+def _host_scratch_base() -> str:
+    from gym_fork.worker.scratch import base_dir
+
+    return base_dir()
+
+
+_RLIMITS = {
+    "memory_bytes": resource.RLIMIT_DATA,
+    "cpu_seconds": resource.RLIMIT_CPU,
+    "open_files": resource.RLIMIT_NOFILE,
+    "processes": resource.RLIMIT_NPROC,
+}
+
+
+def apply_limits(limits: SandboxLimits, missing: dict[str, str]) -> dict[str, Any]:
+    """Set the rlimits that are asked for; returns what is in force."""
+    applied: dict[str, Any] = {}
+    for name, which in _RLIMITS.items():
+        value = getattr(limits, name)
+        if value is None:
+            continue
+        try:
+            resource.setrlimit(which, (value, value))
+            applied[name] = value
+        except (ValueError, OSError) as exc:
+            missing[f"limit_{name}"] = str(exc)
+    if limits.processes is not None and os.geteuid() == 0:
+        missing["limit_processes"] = "RLIMIT_NPROC is not enforced for root"
+    return applied
+
+
+def hostname() -> str:
+    return socket.gethostname()
