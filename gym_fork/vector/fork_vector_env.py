@@ -32,7 +32,6 @@ from gymnasium.vector.utils import (
 
 from gym_fork.errors import BadActionError, RingTimeout, SubEnvCrashed
 from gym_fork.hosts.process.host import ProcessHost, WorkerHandle, WorkerSpec, new_worker_ends
-from gym_fork.hosts.process.isolation import IsolationConfig, SandboxLimits
 from gym_fork.lineage import (
     Lineage,
     LineageLog,
@@ -42,6 +41,7 @@ from gym_fork.lineage import (
     default_log_path,
 )
 from gym_fork.lineage.tree import BranchRecord
+from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.system.linux import ProcessWatch, describe_status
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.codec import pack

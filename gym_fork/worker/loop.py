@@ -21,15 +21,15 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 
 from gym_fork.errors import BadObservationError
-from gym_fork.hosts.process.isolation import enter_sandbox
+from gym_fork.system.isolation import enter_sandbox
 from gym_fork.system.linux import die_with_parent
+from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack
 from gym_fork.transport.control import recv_message
 from gym_fork.transport.slab import Slab
 
 from . import protocol as P
-from .scratch import remove_scratch
 
 
 def _error_entry(index: int, exc: BaseException) -> list[Any]:

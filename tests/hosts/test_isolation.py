@@ -11,7 +11,7 @@ import pytest
 from gymnasium import spaces
 
 from gym_fork import ForkVectorEnv, SubEnvCrashed
-from gym_fork.hosts.process.isolation import SandboxLimits
+from gym_fork.system.isolation import SandboxLimits
 from tests.helpers import SpaceEnv
 
 ROOT_ONLY = pytest.mark.skipif(
@@ -106,7 +106,7 @@ def test_the_memory_limit_fails_the_allocation_with_a_clear_error():
 def test_the_cpu_limit_kills_the_sandbox_and_says_so():
     envs = sandboxes(1, limits=SandboxLimits(cpu_seconds=1))
     try:
-        with pytest.raises(SubEnvCrashed, match="SIGXCPU|SIGKILL") as info:
+        with pytest.raises(SubEnvCrashed, match=r"SIGXCPU|SIGKILL") as info:
             envs.call("burn_cpu", 5)
         assert info.value.exitcode in (-signal.SIGXCPU, -signal.SIGKILL)
         envs.reset(seed=0)  # replaced by a fresh sandbox

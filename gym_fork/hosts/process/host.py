@@ -17,11 +17,11 @@ import cloudpickle
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.process.isolation import IsolationConfig
+from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.linux import ProcessWatch
+from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
-from gym_fork.worker.scratch import remove_scratch
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
 

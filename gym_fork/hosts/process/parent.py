@@ -23,10 +23,10 @@ import traceback
 
 import cloudpickle
 
-from gym_fork.hosts.process.isolation import IsolationConfig, isolate_tree
 from gym_fork.system import linux
+from gym_fork.system.isolation import IsolationConfig, isolate_tree
+from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
-from gym_fork.worker.scratch import remove_sandbox_scratch, sweep
 
 
 class WarmParent:

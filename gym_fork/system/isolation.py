@@ -1,4 +1,4 @@
-"""Sandbox isolation for the process host: namespaces, private /tmp, limits.
+"""Sandbox isolation for process sandboxes: namespaces, private /tmp, limits.
 
 Two levels, chosen so that the fork path stays fast:
 
@@ -29,6 +29,7 @@ from typing import Any
 
 from gym_fork.system import linux
 from gym_fork.system import namespaces as ns
+from gym_fork.system.scratch import base_dir
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,6 @@ def _copy_tree(source: str | None, target: str) -> None:
 
 
 def _host_scratch_base() -> str:
-    from gym_fork.worker.scratch import base_dir
-
     return base_dir()
 
 
