@@ -11,6 +11,7 @@ from gym_fork.errors import (
     GymForkError,
     SandboxStartError,
     SubEnvCrashed,
+    SubEnvTimeout,
     TransportError,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "GymForkError",
     "SandboxStartError",
     "SubEnvCrashed",
+    "SubEnvTimeout",
     "TransportError",
     "__version__",
 ]

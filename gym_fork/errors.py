@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 
 class GymForkError(Exception):
     """Base class of every error gym_fork raises on its own behalf."""
@@ -50,6 +52,16 @@ class SubEnvCrashed(GymForkError):
         self.indices = indices
         self.pid = pid
         self.exitcode = exitcode
+
+
+class SubEnvTimeout(SubEnvCrashed, multiprocessing.TimeoutError, TimeoutError):
+    """Sub-envs did not answer within the vector env's ``timeout`` and were killed.
+
+    Also a ``multiprocessing.TimeoutError`` (what AsyncVectorEnv's waits raise) and a
+    builtin ``TimeoutError``.
+    """
+
+    code = "subenv_timeout"
 
 
 class BadActionError(GymForkError, ValueError, TypeError):

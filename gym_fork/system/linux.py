@@ -73,3 +73,15 @@ def describe_status(status: int | None) -> str:
         except ValueError:
             return f"killed by signal {-status}"
     return f"exited with code {status}"
+
+
+def raise_fd_limit(target: int = 65536) -> None:
+    """Raise this process's soft RLIMIT_NOFILE towards its hard limit: each sandbox
+    costs the controller a few fds (side socket, pidfd, output pipes)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(target, hard) if hard != resource.RLIM_INFINITY else target
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -65,19 +65,19 @@ class Channel:
     def recv(self, timeout: float | None = None) -> Any:
         """Take and decode the next incoming message."""
         view = self.inbox.read(timeout)
-        if view[-1] == WHOLE:
-            return unpack(view[:-1])
+        if len(view) and view[-1] == WHOLE:
+            return self._decode(view[:-1])
         parts = []
         while True:
-            if view[-1] not in (MORE, LAST):
+            if not len(view) or view[-1] not in (MORE, LAST):
                 raise TransportError(
-                    f"{self.inbox.name!r}: record tag {view[-1]} is not a gym_fork tag",
+                    f"{self.inbox.name!r}: record tag {bytes(view[-1:])!r} is not a gym_fork tag",
                     worker=self.inbox.name,
                     reason="tag",
                 )
             parts.append(bytes(view[:-1]))
             if view[-1] == LAST:
-                return unpack(b"".join(parts))
+                return self._decode(b"".join(parts))
             try:
                 view = self.inbox.read(FRAGMENT_TIMEOUT)
             except RingTimeout:
@@ -86,6 +86,16 @@ class Channel:
                     worker=self.inbox.name,
                     reason="torn",
                 ) from None
+
+    def _decode(self, data) -> Any:
+        try:
+            return unpack(data)
+        except Exception as exc:
+            raise TransportError(
+                f"{self.inbox.name!r}: a record does not decode ({type(exc).__name__}: {exc})",
+                worker=self.inbox.name,
+                reason="decode",
+            ) from exc
 
     def close(self) -> None:
         self.outbox.release()

@@ -34,6 +34,12 @@ class Region:
         self.size = size
         self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
+    def forget_fd(self) -> None:
+        """Close the fd but keep the mapping (once the region has been handed over)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
     def close(self) -> None:
         """Unmap and close the fd. Views into the mapping must be dropped first."""
         if self.map is not None:

@@ -7,12 +7,16 @@ done flags live in a shared batch slab, so a step moves no array through a pipe.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy as copy_module
 import hashlib
 import math
 import multiprocessing
 import os
+import signal
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,8 +34,20 @@ from gymnasium.vector.utils import (
     iterate,
 )
 
-from gym_fork.errors import BadActionError, RingTimeout, SubEnvCrashed
-from gym_fork.hosts.process.host import ProcessHost, WorkerHandle, WorkerSpec, new_worker_ends
+from gym_fork.errors import (
+    BadActionError,
+    RingTimeout,
+    SubEnvCrashed,
+    SubEnvTimeout,
+    TransportError,
+)
+from gym_fork.hosts.process.host import (
+    SPAWN_BATCH,
+    ProcessHost,
+    SandboxEnds,
+    WorkerHandle,
+    WorkerSpec,
+)
 from gym_fork.lineage import (
     Lineage,
     LineageLog,
@@ -42,7 +58,7 @@ from gym_fork.lineage import (
 )
 from gym_fork.lineage.tree import BranchRecord
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
-from gym_fork.system.linux import ProcessWatch, describe_status
+from gym_fork.system.linux import describe_status
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.codec import pack
 from gym_fork.transport.control import send_message
@@ -50,6 +66,20 @@ from gym_fork.transport.slab import Slab, async_shares, slab_node
 from gym_fork.worker import protocol as P
 
 __all__ = ["ForkVectorEnv"]
+
+# Every open ForkVectorEnv, so that interpreter exit without close() still cleans up.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for envs in list(_OPEN):
+        with contextlib.suppress(Exception):
+            envs.close(terminate=True)
+
+
+# Lines of a dead sandbox's stderr quoted in SubEnvCrashed.
+STDERR_LINES = 10
 
 # Sets of missing isolation layers already warned about (once per process each).
 _WARNED_MISSING: set[tuple[str, ...]] = set()
@@ -101,6 +131,10 @@ class ForkVectorEnv(VectorEnv):
             namespace, where the host allows one).
         limits: :class:`SandboxLimits` (memory, CPU seconds, open files, processes).
         namespaces: isolate sandboxes with Linux namespaces where the host allows it.
+        timeout: seconds any call (reset, step, call, set_attr) may take when no explicit
+            ``*_wait(timeout)`` is given; past it the sandboxes that did not answer are
+            killed and :class:`SubEnvTimeout` names them (default None: wait forever,
+            as AsyncVectorEnv). ``reset()`` replaces them.
         private_tmp: give each sandbox its own /tmp and /dev/shm (default True; files an
             env writes there are invisible to the host and to other sandboxes, and gone
             when the sandbox ends: write outputs such as videos elsewhere, or pass False).
@@ -131,6 +165,7 @@ class ForkVectorEnv(VectorEnv):
         limits: SandboxLimits | None = None,
         namespaces: bool = True,
         private_tmp: bool = True,
+        timeout: float | None = None,
         _prepare: tuple | None = None,
     ) -> None:
         self.env_fns = env_fns
@@ -181,6 +216,7 @@ class ForkVectorEnv(VectorEnv):
         self.ring_bytes = ring_bytes
         self.check_actions = check_actions
         self.reset_mode = reset_mode
+        self.timeout = timeout
         self.isolation_config = IsolationConfig(
             namespaces=namespaces,
             network=network,
@@ -194,6 +230,7 @@ class ForkVectorEnv(VectorEnv):
             self._start()
             self._start_lineage(branch_id, lineage_log)
             self._warn_missing_isolation()
+            _OPEN.add(self)
         except BaseException:
             self._teardown(terminate=True)
             self.closed = True
@@ -825,9 +862,29 @@ class ForkVectorEnv(VectorEnv):
                 if deadline.expired():
                     raise _WaitTimeout from None
                 continue
+            except TransportError as exc:
+                raise self._corrupted(worker, exc) from exc
+            if not (type(reply) is list and len(reply) == 4 and type(reply[1]) is int):
+                raise self._corrupted(
+                    worker, TransportError(f"malformed reply {reply!r:.80}", reason="shape")
+                )
             if op == P.HELLO or reply[1] == worker.awaiting:
                 worker.awaiting = 0
                 return reply
+
+    def _corrupted(self, worker: WorkerHandle, exc: TransportError) -> TransportError:
+        """A sandbox wrote bytes that are not a valid reply: it cannot be trusted any
+        more; kill it (reset() replaces it) and name it."""
+        worker.watch.kill()
+        worker.dead = True
+        error = TransportError(
+            f"sub-env(s) {worker.indices} (pid {worker.pid}) sent a corrupt record and were "
+            f"killed; call reset() to replace them. {exc}",
+            worker=worker.name,
+            reason=getattr(exc, "reason", ""),
+        )
+        error.indices = worker.indices
+        return error
 
     def _collect(self, timeout: float | None, op: int) -> list[Any]:
         deadline = _Deadline(timeout)
@@ -842,25 +899,65 @@ class ForkVectorEnv(VectorEnv):
         return results
 
     def _collect_or_timeout(self, timeout: float | None, op: int, what: str) -> list[Any]:
+        sandbox_deadline = timeout is None and self.timeout is not None
         try:
-            return self._collect(timeout, op)
+            return self._collect(self.timeout if sandbox_deadline else timeout, op)
         except _WaitTimeout:
+            if sandbox_deadline:
+                raise self._kill_hung(op, what) from None
             raise multiprocessing.TimeoutError(
                 f"The call to `{what}` has timed out after {timeout} second(s)."
             ) from None
         finally:
             self._state = AsyncState.DEFAULT
 
+    def _kill_hung(self, op: int, what: str) -> SubEnvTimeout:
+        """The vector env's own ``timeout`` passed: kill the sandboxes that did not answer."""
+        hung = []
+        for worker in self._workers:
+            if not worker.awaiting:
+                continue
+            try:
+                self._receive(worker, _Deadline(0), op)  # answered just now?
+            except (_WaitTimeout, SubEnvCrashed):
+                hung.append(worker)
+        for worker in hung:
+            worker.watch.kill()
+        details = []
+        for worker in hung:
+            worker.watch.wait_dead(1.0)
+            details.append(self._crashed(worker, f"during {what}").args[0])
+        return SubEnvTimeout(
+            f"{what} took longer than timeout={self.timeout} s; the sandboxes that did not "
+            f"answer were killed:\n" + "\n".join(details),
+            indices=[i for w in hung for i in w.indices],
+            pid=hung[0].pid if hung else None,
+            exitcode=-signal.SIGKILL,
+        )
+
     def _crashed(self, worker: WorkerHandle, when: str) -> SubEnvCrashed:
         worker.dead = True
         code = self._host.exit_code(worker.pid) if self._host is not None else None
-        return SubEnvCrashed(
-            f"the sandbox of sub-env(s) {worker.indices} (pid {worker.pid}) died {when}: "
-            f"{describe_status(code)}. Call reset() to replace it with a fresh sandbox.",
+        branch = self._lineage.branch_id if self._lineage is not None else "?"
+        tail = worker.output_tail("stderr").rstrip().splitlines()[-STDERR_LINES:]
+        stderr = "\n".join("    " + line for line in tail) if tail else "    (nothing)"
+        error = SubEnvCrashed(
+            f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} "
+            f"(pid {worker.pid}) died {when}: {describe_status(code)}. Call reset() to "
+            f"replace it with a fresh sandbox. Its last stderr lines:\n{stderr}",
             indices=worker.indices,
             pid=worker.pid,
             exitcode=code,
         )
+        error.stderr_tail = "\n".join(tail)
+        return error
+
+    def sandbox_output(self, index: int, stream: str = "stderr") -> str:
+        """The last output (at most 64 KiB) of the sandbox hosting sub-env ``index``."""
+        for worker in self._workers:
+            if index in worker.indices:
+                return worker.output_tail(stream)
+        raise IndexError(f"no sub-env {index} in a vector env of {self.num_envs}")
 
     def _replace_workers(self, positions: list[int], why: str) -> None:
         """Fork fresh sandboxes from the warm parent for the workers at ``positions``."""
@@ -869,6 +966,7 @@ class ForkVectorEnv(VectorEnv):
         old = [self._workers[k] for k in positions]
         for worker in old:
             worker.watch.kill()
+        self._ensure_warm_parent()
         if getattr(self, "_replacement_attach", None) is None:
             # Pickled once: the warm parent unpickles it once too, then shares it.
             self._replacement_attach = cloudpickle.dumps(self._attach_arg("custom"))
@@ -887,6 +985,27 @@ class ForkVectorEnv(VectorEnv):
                 indices=[i for w in old for i in w.indices],
                 old_pids=[w.pid for w in old],
                 new_pids=[w.pid for w in fresh],
+            )
+
+    def _ensure_warm_parent(self) -> None:
+        """Health check: a dead warm parent is replaced by a cold launch of the env_fns
+        (the prepared state is rebuilt from scratch), recorded in the lineage."""
+        if self._host.alive():
+            return
+        old = self._host
+        self._host = ProcessHost(
+            self.env_fns[:1] if self._prepare else self.env_fns,
+            prepare=self._prepare,
+            isolation=self.isolation_config,
+        )
+        old.release()
+        self._replacement_attach = None
+        if self._lineage is not None:
+            self._lineage.tree.event(
+                self._lineage.branch_id,
+                "replaced_warm_parent",
+                old_pid=old.pid,
+                new_pid=self._host.pid,
             )
 
     def _replace_dead_workers(self) -> None:
@@ -973,6 +1092,7 @@ class ForkVectorEnv(VectorEnv):
             )
         )
         branch._lineage = Lineage(tree, branch_id)
+        _OPEN.add(branch)
         return branch
 
     def _init_branch(self, source: ForkVectorEnv, sources: list[int]) -> None:
@@ -990,6 +1110,7 @@ class ForkVectorEnv(VectorEnv):
             "check_actions",
             "reset_mode",
             "isolation_config",
+            "timeout",
             "metadata",
             "render_mode",
             "single_action_space",
@@ -1047,53 +1168,52 @@ class ForkVectorEnv(VectorEnv):
             plan.setdefault(where[i], []).append(j)
         handles: dict[int, WorkerHandle] = {}
         for k, branch_indices in plan.items():
-            worker = source._workers[k]
-            specs = [
-                WorkerSpec(f"{branch_id} sub-env {j}", [j], [self._origins[j]])
-                for j in branch_indices
-            ]
-            ends = [new_worker_ends(spec, self.ring_bytes) for spec in specs]
-            fds = [self._slab.region.fd]
-            for channel, _ours, theirs in ends:
-                fds += [channel.region.fd, theirs.fileno()]
-            clones = [
-                [sources[j], j, seeds[j], spec.name]
-                for j, spec in zip(branch_indices, specs, strict=True)
-            ]
-            try:
-                send_message(worker.sock, {"op": "fork"}, fds=tuple(fds))
-                source._send(
-                    worker,
-                    P.FORK,
-                    {
-                        "clones": clones,
-                        "num_envs": self.num_envs,
-                        "ring_capacity": self.ring_bytes,
-                    },
-                )
-                _op, _seq, pids, errors = source._receive(worker, _Deadline(None), P.FORK)
-            except BaseException:
-                for channel, ours, _theirs in ends:
-                    channel.close()
-                    ours.close()
-                raise
-            finally:
-                for _channel, _ours, theirs in ends:
-                    theirs.close()
-            if errors:
-                for channel, ours, _theirs in ends:
-                    channel.close()
-                    ours.close()
-                source._raise_errors(errors)
-            for j, spec, (channel, ours, _theirs), pid in zip(
-                branch_indices, specs, ends, pids, strict=True
-            ):
-                handles[j] = WorkerHandle(
-                    spec.name, [j], channel, pid, ProcessWatch(pid), ours, list(spec.origins)
-                )
+            for start in range(0, len(branch_indices), SPAWN_BATCH):
+                chunk = branch_indices[start : start + SPAWN_BATCH]
+                for j, handle in zip(
+                    chunk,
+                    self._fork_chunk(source, k, chunk, sources, seeds, branch_id),
+                    strict=True,
+                ):
+                    handles[j] = handle
         self._workers = [handles[j] for j in range(self.num_envs)]
         for worker in self._workers:
             worker.info = self._receive(worker, _Deadline(None), P.HELLO)[2]
+
+    def _fork_chunk(self, source, position, branch_indices, sources, seeds, branch_id):
+        """Ask one source worker to fork the clones for ``branch_indices``."""
+        worker = source._workers[position]
+        specs = [
+            WorkerSpec(f"{branch_id} sub-env {j}", [j], [self._origins[j]]) for j in branch_indices
+        ]
+        ends = [SandboxEnds(spec, self.ring_bytes, self._host.output) for spec in specs]
+        fds = [self._slab.region.fd]
+        for end in ends:
+            fds += end.fds()
+        clones = [
+            [sources[j], j, seeds[j], spec.name]
+            for j, spec in zip(branch_indices, specs, strict=True)
+        ]
+        try:
+            send_message(worker.sock, {"op": "fork"}, fds=tuple(fds))
+            source._send(
+                worker,
+                P.FORK,
+                {"clones": clones, "num_envs": self.num_envs, "ring_capacity": self.ring_bytes},
+            )
+            _op, _seq, pids, errors = source._receive(worker, _Deadline(None), P.FORK)
+        except BaseException:
+            for end in ends:
+                end.handed_over()
+                end.abort()
+            raise
+        for end in ends:
+            end.handed_over()
+        if errors:
+            for end in ends:
+                end.abort()
+            source._raise_errors(errors)
+        return [end.handle(pid) for end, pid in zip(ends, pids, strict=True)]
 
     def _raise_errors(self, errors: list[list[Any]], building: bool = False) -> None:
         errors = sorted(errors, key=lambda e: e[0])

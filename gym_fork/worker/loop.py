@@ -266,16 +266,17 @@ class Worker:
         """
         clones = arg["clones"]
         _message, fds = recv_message(self.sock)
-        if len(fds) != 1 + 2 * len(clones):
+        per = FDS_PER_SANDBOX
+        if len(fds) != 1 + per * len(clones):
             for fd in fds:
                 os.close(fd)
-            raise RuntimeError(f"fork: expected {1 + 2 * len(clones)} fds, got {len(fds)}")
+            raise RuntimeError(f"fork: expected {1 + per * len(clones)} fds, got {len(fds)}")
         branch_arg = dict(self.attach_arg, num_envs=arg["num_envs"])
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
         plan = []
         for k, (source_index, branch_index, seed, name) in enumerate(clones):
             slot = next(s for s in self.slots if s.index == source_index)
-            mine = (fds[0], fds[1 + 2 * k], fds[2 + 2 * k])
+            mine = (fds[0], *fds[1 + per * k : 1 + per * (k + 1)])
             plan.append((slot, branch_index, seed, name, mine))
         try:
             pids = self._fork_clones(plan, fds, branch_arg, arg["ring_capacity"])
@@ -332,7 +333,8 @@ class Worker:
     ):
         code = 0
         try:
-            slab_fd, channel_fd, sock_fd = mine
+            slab_fd, channel_fd, sock_fd, out_fd, err_fd = mine
+            redirect_output(out_fd, err_fd)
             for fd in all_fds:
                 if fd not in mine:
                     os.close(fd)
@@ -419,6 +421,20 @@ class Worker:
                 # An info or call result that cannot travel: report it, lose nothing else.
                 record = pack([op, seq, None, [_error_entry(self.indices[0], exc)]])
             channel.send_raw(record)
+
+
+# Fds handed to a new sandbox besides the slab: channel, side socket, stdout, stderr.
+FDS_PER_SANDBOX = 4
+
+
+def redirect_output(out_fd: int, err_fd: int) -> None:
+    """Point fds 1 and 2 (and so print, logging, C stdio) at this sandbox's own pipes."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
 
 
 def _await_adoption(gate: int, warm_parent: int) -> None:

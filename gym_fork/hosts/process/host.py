@@ -17,11 +17,16 @@ import cloudpickle
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.process.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
-from gym_fork.system.linux import ProcessWatch
+from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
+
+# Sandboxes per spawn message: each takes SandboxEnds.FDS_PER_SANDBOX fds and the kernel
+# passes at most 253 per message.
+SPAWN_BATCH = 60
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
 
@@ -37,9 +42,14 @@ class WorkerHandle:
     watch: ProcessWatch
     sock: socket.socket | None = None  # side channel for fds (fork), not the hot path
     origins: list[int] = field(default_factory=list)
+    output: OutputCollector | None = None
     awaiting: int = 0  # seq of the reply this worker still owes, 0 if none
     dead: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+
+    def output_tail(self, stream: str = "stderr") -> str:
+        """The last bytes this sandbox wrote on ``stream``."""
+        return self.output.tail(str(self.pid), stream) if self.output is not None else ""
 
     def alive(self) -> bool:
         if self.dead:
@@ -57,6 +67,8 @@ class WorkerHandle:
         scratch = self.info.get("scratch")
         if scratch and not scratch.startswith("/proc/"):
             remove_scratch(scratch)
+        if self.output is not None:
+            self.output.forget(str(self.pid))
         self.watch.close()
         self.channel.close()
         if self.sock is not None:
@@ -73,11 +85,48 @@ class WorkerSpec:
     origins: list[int]
 
 
-def new_worker_ends(spec: WorkerSpec, ring_capacity: int):
-    """The controller's channel and socket for a new worker, and the fds to hand over."""
-    channel = Channel.create(spec.name, ring_capacity)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    return channel, ours, theirs
+class SandboxEnds:
+    """What the controller makes for a new sandbox before it exists: its channel, side
+    socket and output pipes. ``fds()`` are handed over (spawn or fork); then
+    ``handed_over()`` closes the controller's copies of the sandbox's ends."""
+
+    FDS_PER_SANDBOX = 4
+
+    def __init__(self, spec: WorkerSpec, ring_capacity: int, output: OutputCollector) -> None:
+        self.spec = spec
+        self.output = output
+        self.channel = Channel.create(spec.name, ring_capacity)
+        self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        (self.out_r, self.out_w), (self.err_r, self.err_w) = output.new_pipes()
+
+    def fds(self) -> list[int]:
+        return [self.channel.region.fd, self.theirs.fileno(), self.out_w, self.err_w]
+
+    def handed_over(self) -> None:
+        self.theirs.close()
+        os.close(self.out_w)
+        os.close(self.err_w)
+        self.channel.region.forget_fd()  # mapped already; the sandbox holds its own fd
+
+    def abort(self) -> None:
+        """The sandbox was never made: close everything."""
+        self.channel.close()
+        self.ours.close()
+        for fd in (self.out_r, self.err_r):
+            os.close(fd)
+
+    def handle(self, pid: int) -> WorkerHandle:
+        self.output.watch(str(pid), self.out_r, self.err_r)
+        return WorkerHandle(
+            self.spec.name,
+            list(self.spec.indices),
+            self.channel,
+            pid,
+            ProcessWatch(pid),
+            self.ours,
+            list(self.spec.origins),
+            output=self.output,
+        )
 
 
 class ProcessHost:
@@ -97,8 +146,11 @@ class ProcessHost:
         prepare: tuple | None = None,
         isolation: IsolationConfig | None = None,
         start_timeout: float | None = None,
+        echo_output: bool = True,
     ) -> None:
         self.isolation_config = isolation or IsolationConfig()
+        self.output = OutputCollector(echo=echo_output)
+        raise_fd_limit()
         self._lock = threading.Lock()
         self._users = 1
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,10 +249,10 @@ class ProcessHost:
     def _spawn_batch(
         self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int, attach: bytes | None
     ) -> list[WorkerHandle]:
-        ends = [new_worker_ends(spec, ring_capacity) for spec in specs]
+        ends = [SandboxEnds(spec, ring_capacity, self.output) for spec in specs]
         fds = [slab_fd]
-        for channel, _ours, theirs in ends:
-            fds += [channel.region.fd, theirs.fileno()]
+        for end in ends:
+            fds += end.fds()
         message = {
             "op": "spawn",
             "attach": attach,
@@ -219,30 +271,21 @@ class ProcessHost:
                 send_message(self.sock, message, fds=tuple(fds))
                 reply = self._request_reply(60.0, what=f"spawn {specs[0].name}")
         except BaseException:
-            for channel, ours, _theirs in ends:
-                channel.close()
-                ours.close()
+            for end in ends:
+                end.handed_over()
+                end.abort()
             raise
-        finally:
-            for _channel, _ours, theirs in ends:
-                theirs.close()
+        for end in ends:
+            end.handed_over()
         if reply["op"] != "spawned":
-            for channel, ours, _theirs in ends:
-                channel.close()
-                ours.close()
+            for end in ends:
+                end.abort()
             raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
-        return [
-            WorkerHandle(
-                spec.name,
-                list(spec.indices),
-                channel,
-                pid,
-                ProcessWatch(pid),
-                ours,
-                list(spec.origins),
-            )
-            for spec, (channel, ours, _theirs), pid in zip(specs, ends, reply["pids"], strict=True)
-        ]
+        return [end.handle(pid) for end, pid in zip(ends, reply["pids"], strict=True)]
+
+    def alive(self) -> bool:
+        """Health check of the warm parent (its sandboxes die with it)."""
+        return self.sock is not None and self.process.poll() is None
 
     def acquire(self) -> ProcessHost:
         """One more vector env (a root or a branch) uses this warm parent."""
@@ -308,3 +351,8 @@ class ProcessHost:
         watch = getattr(self, "watch", None)
         if watch is not None:
             watch.close()
+            self.watch = None
+        output = getattr(self, "output", None)
+        if output is not None:
+            output.close()
+            self.output = None

@@ -27,6 +27,7 @@ from gym_fork.system import linux
 from gym_fork.system.isolation import IsolationConfig, isolate_tree
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
+from gym_fork.worker.loop import FDS_PER_SANDBOX, redirect_output
 
 
 class WarmParent:
@@ -65,8 +66,6 @@ class WarmParent:
             if ready_check is not None and ready_check(env) is False:
                 raise RuntimeError("ready_check(env) returned False: the parent is not ready")
             self.prototype = env
-        import gym_fork.worker.loop  # noqa: F401  (imported once here, not in every sandbox)
-
         # Objects alive now are shared copy-on-write with every sandbox: keep the
         # collector from touching (and so copying) their pages after fork.
         gc.collect()
@@ -80,17 +79,22 @@ class WarmParent:
         return self.env_fns[origin]()
 
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
-        """Fork one worker per entry of ``message['workers']``; fds: slab, then pairs."""
+        """Fork one worker per entry of ``message['workers']``; fds: the slab, then
+        FDS_PER_SANDBOX per worker (channel, side socket, stdout, stderr)."""
         slab_fd, rest = fds[0], fds[1:]
+        per = FDS_PER_SANDBOX
+        sys.stdout.flush()
+        sys.stderr.flush()
         attach = self._attach_arg(message.get("attach"))
         pids = []
         for k, spec in enumerate(message["workers"]):
-            channel_fd, sock_fd = rest[2 * k], rest[2 * k + 1]
+            channel_fd, sock_fd, out_fd, err_fd = rest[per * k : per * (k + 1)]
             pid = os.fork()
             if pid == 0:
                 for fd in fds:
-                    if fd not in (slab_fd, channel_fd, sock_fd):
+                    if fd not in (slab_fd, channel_fd, sock_fd, out_fd, err_fd):
                         os.close(fd)
+                redirect_output(out_fd, err_fd)
                 self._become_worker(spec, channel_fd, slab_fd, sock_fd, attach)
             pids.append(pid)
             self.spawned.add(pid)

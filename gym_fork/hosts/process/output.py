@@ -1,0 +1,132 @@
+"""Per-sandbox stdout/stderr: captured through pipes, kept bounded, echoed by default.
+
+One daemon thread per host drains every sandbox's two pipes (a sandbox must never block
+on a full pipe), keeps the last ``limit`` bytes of each stream for diagnostics (crash
+and timeout errors quote them), and by default echoes the bytes to the controller's own
+stdout/stderr, as AsyncVectorEnv's workers print to the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import threading
+from collections import deque
+
+DEFAULT_LIMIT = 64 * 1024
+
+
+class _Stream:
+    def __init__(self, limit: int) -> None:
+        self.chunks: deque[bytes] = deque()
+        self.size = 0
+        self.limit = limit
+
+    def add(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.size += len(data)
+        while self.size - len(self.chunks[0]) >= self.limit:
+            self.size -= len(self.chunks.popleft())
+
+    def tail(self) -> bytes:
+        return b"".join(self.chunks)[-self.limit :]
+
+
+class OutputCollector:
+    """Drains sandbox output pipes in the background; ``tail(key)`` returns recent bytes."""
+
+    def __init__(self, *, echo: bool = True, limit: int = DEFAULT_LIMIT) -> None:
+        self.echo = echo
+        self.limit = limit
+        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gym_fork-output", daemon=True)
+        self._thread.start()
+
+    def new_pipes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(read, write) pipes for a sandbox's stdout and stderr."""
+        return os.pipe(), os.pipe()
+
+    def watch(self, key: str, out_fd: int, err_fd: int) -> None:
+        """Start draining a sandbox's read ends (the collector owns and closes them)."""
+        with self._lock:
+            for name, fd in (("stdout", out_fd), ("stderr", err_fd)):
+                os.set_blocking(fd, False)
+                self._streams[(key, name)] = _Stream(self.limit)
+                self._selector.register(fd, selectors.EVENT_READ, (key, name))
+        os.write(self._wake_w, b"x")
+
+    def tail(self, key: str, stream: str = "stderr") -> str:
+        """The last bytes a sandbox wrote on ``stream`` (decoded leniently)."""
+        self._drain_now()
+        with self._lock:
+            s = self._streams.get((key, stream))
+            return s.tail().decode(errors="replace") if s else ""
+
+    def forget(self, key: str) -> None:
+        """Stop keeping a sandbox's output (after its end has been reported)."""
+        self._drain_now()
+        with self._lock:
+            for name in ("stdout", "stderr"):
+                self._streams.pop((key, name), None)
+            for fd, selector_key in list(self._selector.get_map().items()):
+                if selector_key.data and selector_key.data[0] == key:
+                    self._selector.unregister(fd)
+                    os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(2.0)
+        for fd in list(self._selector.get_map()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._selector.close()
+        os.close(self._wake_w)
+
+    def _drain_now(self) -> None:
+        with self._lock:
+            for fd, key in list(self._selector.get_map().items()):
+                if key.data is not None:
+                    self._read(fd, key.data)
+
+    def _read(self, fd: int, data: tuple[str, str]) -> bool:
+        """Read what is there; False at EOF (the fd is then unregistered and closed)."""
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._selector.unregister(fd)
+            os.close(fd)
+            return False
+        stream = self._streams.get(data)
+        if stream is not None:
+            stream.add(chunk)
+        if self.echo:
+            with contextlib.suppress(OSError):
+                os.write(1 if data[1] == "stdout" else 2, chunk)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            events = self._selector.select(timeout=1.0)
+            with self._lock:
+                if self._closed:
+                    return
+                for key, _mask in events:
+                    if key.data is None:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        continue
+                    if key.fd in self._selector.get_map():
+                        self._read(key.fd, key.data)
