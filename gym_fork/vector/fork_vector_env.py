@@ -966,7 +966,7 @@ class ForkVectorEnv(VectorEnv):
         old = [self._workers[k] for k in positions]
         for worker in old:
             worker.watch.kill()
-        self._ensure_warm_parent()
+        old_host = self._ensure_warm_parent()
         if getattr(self, "_replacement_attach", None) is None:
             # Pickled once: the warm parent unpickles it once too, then shares it.
             self._replacement_attach = cloudpickle.dumps(self._attach_arg("custom"))
@@ -976,6 +976,8 @@ class ForkVectorEnv(VectorEnv):
         for worker in old:
             worker.watch.wait_dead(1.0)
             worker.release()
+        if old_host is not None:
+            old_host.release()
         for worker in fresh:
             self._receive_hello(worker)
         if self._lineage is not None and why != "reset_by_clone":  # resets would flood the log
@@ -987,18 +989,18 @@ class ForkVectorEnv(VectorEnv):
                 new_pids=[w.pid for w in fresh],
             )
 
-    def _ensure_warm_parent(self) -> None:
+    def _ensure_warm_parent(self) -> ProcessHost | None:
         """Health check: a dead warm parent is replaced by a cold launch of the env_fns
-        (the prepared state is rebuilt from scratch), recorded in the lineage."""
+        (the prepared state is rebuilt from scratch), recorded in the lineage. Returns
+        the dead host, for the caller to release once its sandboxes are released."""
         if self._host.alive():
-            return
+            return None
         old = self._host
         self._host = ProcessHost(
             self.env_fns[:1] if self._prepare else self.env_fns,
             prepare=self._prepare,
             isolation=self.isolation_config,
         )
-        old.release()
         self._replacement_attach = None
         if self._lineage is not None:
             self._lineage.tree.event(
@@ -1007,6 +1009,7 @@ class ForkVectorEnv(VectorEnv):
                 old_pid=old.pid,
                 new_pid=self._host.pid,
             )
+        return old
 
     def _replace_dead_workers(self) -> None:
         dead = [k for k, w in enumerate(self._workers) if not w.alive()]

@@ -75,6 +75,8 @@ class OutputCollector:
         with self._lock:
             for name in ("stdout", "stderr"):
                 self._streams.pop((key, name), None)
+            if self._closed:
+                return
             for fd, selector_key in list(self._selector.get_map().items()):
                 if selector_key.data and selector_key.data[0] == key:
                     self._selector.unregister(fd)
@@ -82,6 +84,8 @@ class OutputCollector:
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         os.write(self._wake_w, b"x")
         self._thread.join(2.0)
@@ -93,6 +97,8 @@ class OutputCollector:
 
     def _drain_now(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             for fd, key in list(self._selector.get_map().items()):
                 if key.data is not None:
                     self._read(fd, key.data)
