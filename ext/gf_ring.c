@@ -19,6 +19,12 @@
  *     record out, then frees the space with a release store of read_pos. So a record is
  *     never visible half-written to a correct peer, and space is never reused while the
  *     consumer still copies from it.
+ *  9. Nothing read from shared memory is trusted for memory safety: each side passes
+ *     the capacity and spin count it was configured with (the copies in the control
+ *     block are informational); every offset is masked with that capacity and every
+ *     length is checked against the published byte count, so a hostile peer that
+ *     scribbles on the region can make reads fail, never read or write out of bounds,
+ *     and never make a waiter spin longer than its own `spin` or sleep past its deadline.
  *  7. A torn or corrupt record (bad magic, a length that cannot fit in what was
  *     published, a seq that is not read_seq + 1) is reported (GF_EMAGIC, GF_ELENGTH,
  *     GF_ESEQ) and NOT consumed: read_pos stays put, so the caller can report it and
@@ -108,23 +114,22 @@ uint64_t gf_ring_pending(const gf_ring *ring) {
     return LOAD_ACQ(&ring->write_pos) - LOAD_ACQ(&ring->read_pos);
 }
 
-static void copy_in(gf_ring *ring, uint64_t pos, const void *src, uint64_t len) {
-    uint64_t mask = ring->capacity - 1, off = pos & mask, first = ring->capacity - off;
+static void copy_in(gf_ring *ring, uint64_t cap, uint64_t pos, const void *src, uint64_t len) {
+    uint64_t mask = cap - 1, off = pos & mask, first = cap - off;
     if (first > len) first = len;
     memcpy(ring->data + off, src, first);
     if (len > first) memcpy(ring->data, (const uint8_t *)src + first, len - first);
 }
 
-static void copy_out(const gf_ring *ring, uint64_t pos, void *dst, uint64_t len) {
-    uint64_t mask = ring->capacity - 1, off = pos & mask, first = ring->capacity - off;
+static void copy_out(const gf_ring *ring, uint64_t cap, uint64_t pos, void *dst, uint64_t len) {
+    uint64_t mask = cap - 1, off = pos & mask, first = cap - off;
     if (first > len) first = len;
     memcpy(dst, ring->data + off, first);
     if (len > first) memcpy((uint8_t *)dst + first, ring->data, len - first);
 }
 
-int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void *body,
-                  uint32_t body_len, int64_t timeout_ns) {
-    uint64_t cap = ring->capacity;
+int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
+                  uint32_t head_len, const void *body, uint32_t body_len, int64_t timeout_ns) {
     uint64_t length = (uint64_t)head_len + body_len;
     uint64_t need = GF_RECORD_HEADER + align8(length);
     if (length > 0xffffffffu || need > cap) return GF_ETOOBIG;
@@ -136,7 +141,7 @@ int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void
         uint64_t used = wpos - LOAD_ACQ(&ring->read_pos);
         if (used > cap) return GF_ECOUNTERS;
         if (cap - used >= need) break;
-        if (spins < ring->spin) {
+        if (spins < spin) {
             spin_once(spins++);
             continue;
         }
@@ -156,9 +161,9 @@ int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void
     hdr[0] = GF_RECORD_MAGIC;
     hdr[1] = (uint32_t)length;
     memcpy(&hdr[2], &seq, sizeof seq);
-    copy_in(ring, wpos, hdr, GF_RECORD_HEADER);
-    if (head_len) copy_in(ring, wpos + GF_RECORD_HEADER, head, head_len);
-    if (body_len) copy_in(ring, wpos + GF_RECORD_HEADER + head_len, body, body_len);
+    copy_in(ring, cap, wpos, hdr, GF_RECORD_HEADER);
+    if (head_len) copy_in(ring, cap, wpos + GF_RECORD_HEADER, head, head_len);
+    if (body_len) copy_in(ring, cap, wpos + GF_RECORD_HEADER + head_len, body, body_len);
     STORE_RLX(&ring->write_seq, seq);
     STORE_REL(&ring->write_pos, wpos + need);
     __atomic_fetch_add(&ring->data_futex, 1, __ATOMIC_SEQ_CST);
@@ -166,9 +171,8 @@ int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void
     return GF_OK;
 }
 
-int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout_ns,
-                     uint64_t *needed) {
-    uint64_t cap = ring->capacity;
+int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
+                     int64_t timeout_ns, uint64_t *needed) {
     uint64_t rpos = LOAD_RLX(&ring->read_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
     uint32_t spins = 0;
@@ -178,7 +182,7 @@ int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout
         avail = LOAD_ACQ(&ring->write_pos) - rpos;
         if (avail > cap) return GF_ECOUNTERS;
         if (avail > 0) break;
-        if (spins < ring->spin) {
+        if (spins < spin) {
             spin_once(spins++);
             continue;
         }
@@ -197,7 +201,7 @@ int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout
     if (avail < GF_RECORD_HEADER) return GF_ELENGTH;
     uint32_t hdr[4];
     uint64_t seq;
-    copy_out(ring, rpos, hdr, GF_RECORD_HEADER);
+    copy_out(ring, cap, rpos, hdr, GF_RECORD_HEADER);
     memcpy(&seq, &hdr[2], sizeof seq);
     if (hdr[0] != GF_RECORD_MAGIC) return GF_EMAGIC;
     uint64_t length = hdr[1];
@@ -208,7 +212,7 @@ int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout
         if (needed) *needed = length;
         return GF_ETOOSMALL;
     }
-    copy_out(ring, rpos + GF_RECORD_HEADER, out, length);
+    copy_out(ring, cap, rpos + GF_RECORD_HEADER, out, length);
     STORE_RLX(&ring->read_seq, seq);
     STORE_REL(&ring->read_pos, rpos + need);
     __atomic_fetch_add(&ring->space_futex, 1, __ATOMIC_SEQ_CST);

@@ -41,9 +41,9 @@ typedef struct gf_ring {
 uint64_t gf_ring_control_size(void);
 int gf_ring_init(gf_ring *ring, uint64_t capacity, uint32_t spin);
 int gf_ring_check(const gf_ring *ring, uint64_t capacity);
-int gf_ring_write(gf_ring *ring, const void *head, uint32_t head_len, const void *body,
-                  uint32_t body_len, int64_t timeout_ns);
-int64_t gf_ring_read(gf_ring *ring, void *out, uint64_t out_cap, int64_t timeout_ns,
-                     uint64_t *needed);
+int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
+                  uint32_t head_len, const void *body, uint32_t body_len, int64_t timeout_ns);
+int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
+                     int64_t timeout_ns, uint64_t *needed);
 uint64_t gf_ring_pending(const gf_ring *ring);
 #endif

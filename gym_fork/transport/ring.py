@@ -59,6 +59,7 @@ class Ring:
             raise ValueError(f"ring {name!r} does not fit in its region")
         self.name = name
         self.capacity = capacity
+        self.spin = spin
         self._base = ffi.from_buffer(region.map)
         self._ring = ffi.cast("gf_ring *", self._base + offset)
         if create:
@@ -84,6 +85,8 @@ class Ring:
             body_ptr = ffi.from_buffer(body) if body_len else ffi.NULL
         rc = lib.gf_ring_write(
             self._ring,
+            self.capacity,
+            self.spin,
             head,
             len(head),
             body_ptr,
@@ -112,6 +115,8 @@ class Ring:
             record = ffi.from_buffer(record)
         rc = lib.gf_ring_write(
             self._ring,
+            self.capacity,
+            self.spin,
             record,
             size,
             _TAGS[tag],
@@ -125,7 +130,13 @@ class Ring:
         """Take the next record; the view is valid until the next ``read``."""
         while True:
             n = lib.gf_ring_read(
-                self._ring, self._out_c, len(self._out), _timeout_ns(timeout), self._needed
+                self._ring,
+                self.capacity,
+                self.spin,
+                self._out_c,
+                len(self._out),
+                _timeout_ns(timeout),
+                self._needed,
             )
             if n >= 0:
                 return memoryview(self._out)[:n]
