@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_fork.errors import RingTimeout, TransportError
 from gym_fork.transport.channel import Channel
+from gym_fork.transport.codec import unpack
 from gym_fork.transport.region import Region
 from gym_fork.transport.ring import CONTROL_BYTES, Ring, ring_bytes
 
@@ -59,10 +61,20 @@ def test_channel_decodes_or_raises_a_transport_error(payload, tag):
         # Play the worker: put raw bytes and a tag in the reply ring.
         peer = Ring(controller.region, ring_bytes(1 << 12), 1 << 12, create=False, name="peer")
         peer.write(payload + bytes([tag]), timeout=0)
-        try:
-            controller.recv(0.01)
-        except (TransportError, RingTimeout):
-            pass
+        failure = {1: "torn", 3: "tag"}.get(tag)  # MORE with nothing after; unknown tag
+        if failure is None:
+            try:
+                expected = unpack(payload)
+            except Exception:
+                failure = "decode"
+        if failure is not None:
+            with pytest.raises(TransportError) as info:
+                controller.recv(0.01)
+            assert info.value.reason == failure
+        else:
+            from gymnasium.utils.env_checker import data_equivalence
+
+            assert data_equivalence(controller.recv(0.01), expected)
         peer.release()
     finally:
         controller.close()
