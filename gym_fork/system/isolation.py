@@ -55,7 +55,7 @@ class IsolationConfig:
 
     namespaces: bool = True
     network: bool = False
-    private_tmp: bool = True
+    private_tmp: bool = False
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
 
@@ -97,12 +97,16 @@ def isolate_tree(config: IsolationConfig) -> Isolation:
     with contextlib.suppress(OSError):
         ns.sethostname("gym-fork")
     if not config.private_tmp:
-        achieved.missing["private_tmp"] = "private_tmp=False: /tmp and /dev/shm are the host's"
+        achieved.missing["private_tmp"] = (
+            "private_tmp=False (the default): /tmp and /dev/shm are the host's"
+        )
         return achieved
     try:
         ns.make_mounts_private()
         for target in ("/tmp", "/dev/shm"):
+            kept = _keep_needed(target)
             ns.mount("tmpfs", target, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
+            _reattach(kept)
         achieved.tree["private_tmp"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"tmpfs on /tmp failed ({exc.strerror})"
@@ -127,9 +131,11 @@ def enter_sandbox(
             ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
             achieved.sandbox.update(mount=True, ipc=True)
             for target in ("/tmp", "/dev/shm"):
+                kept = _keep_needed(target)
                 mount_fd = ns.new_tmpfs()
-                _copy_tree(target, f"/proc/self/fd/{mount_fd}")
+                _copy_tree(target, f"/proc/self/fd/{mount_fd}", skip=[p for p, _ in kept])
                 ns.attach_mount(mount_fd, target)
+                _reattach(kept)
             achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
         except OSError as exc:
             achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
@@ -163,9 +169,37 @@ def enter_sandbox(
     return scratch, achieved
 
 
-def _copy_tree(source: str | None, target: str) -> None:
-    if source and os.path.isdir(source) and os.listdir(source):
-        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+def _keep_needed(root: str) -> list[tuple[str, int]]:
+    """Top directories under ``root`` that hold what the sandbox runs (sys.path entries,
+    the interpreter, the working directory), each cloned (open_tree) so that it can be
+    re-attached over the private tmpfs: a project or venv under /tmp stays visible."""
+    import sys
+
+    prefix = root.rstrip("/") + "/"
+    tops = set()
+    for path in (*sys.path, sys.prefix, sys.executable, os.getcwd()):
+        path = os.path.realpath(path) if path else ""
+        if path.startswith(prefix):
+            tops.add(prefix + path[len(prefix) :].split("/")[0])
+    return [(top, ns.clone_tree(top)) for top in sorted(tops) if os.path.isdir(top)]
+
+
+def _reattach(kept: list[tuple[str, int]]) -> None:
+    for path, fd in kept:
+        os.makedirs(path, exist_ok=True)
+        ns.attach_mount(fd, path)
+
+
+def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
+    if not (source and os.path.isdir(source)):
+        return
+    names = [n for n in os.listdir(source) if os.path.join(source, n) not in skip]
+    for name in names:
+        src, dst = os.path.join(source, name), os.path.join(target, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _host_scratch_base() -> str:

@@ -94,3 +94,17 @@ def attach_mount(mount_fd: int, target: str) -> None:
         )
     finally:
         os.close(mount_fd)
+
+
+_SYS_OPEN_TREE = 428
+_OPEN_TREE_CLONE = 1
+_AT_RECURSIVE = 0x8000
+
+
+def clone_tree(path: str) -> int:
+    """A detached copy of the mount tree at ``path`` (open_tree), to re-attach with
+    :func:`attach_mount` after ``path``'s parent has been covered."""
+    fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, path.encode(), _OPEN_TREE_CLONE | _AT_RECURSIVE)
+    if fd < 0:
+        _check(-1, f"open_tree {path}")
+    return fd

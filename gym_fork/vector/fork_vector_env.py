@@ -135,9 +135,10 @@ class ForkVectorEnv(VectorEnv):
             ``*_wait(timeout)`` is given; past it the sandboxes that did not answer are
             killed and :class:`SubEnvTimeout` names them (default None: wait forever,
             as AsyncVectorEnv). ``reset()`` replaces them.
-        private_tmp: give each sandbox its own /tmp and /dev/shm (default True; files an
-            env writes there are invisible to the host and to other sandboxes, and gone
-            when the sandbox ends: write outputs such as videos elsewhere, or pass False).
+        private_tmp: give each sandbox its own /tmp and /dev/shm (default False, as with
+            AsyncVectorEnv). When True, files an env writes there are invisible to the host
+            and to other sandboxes and gone when the sandbox ends, and the host's /tmp is
+            hidden (refused, and reported, when the code or cwd lives under /tmp).
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
@@ -164,7 +165,7 @@ class ForkVectorEnv(VectorEnv):
         network: bool = False,
         limits: SandboxLimits | None = None,
         namespaces: bool = True,
-        private_tmp: bool = True,
+        private_tmp: bool = False,
         timeout: float | None = None,
         _prepare: tuple | None = None,
     ) -> None:

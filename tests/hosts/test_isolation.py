@@ -74,7 +74,7 @@ def test_no_network_by_default_and_the_host_network_when_asked(listener):
 @ROOT_ONLY
 def test_tmp_and_dev_shm_are_private_to_each_sandbox():
     name = f"gym-fork-isolation-{os.getpid()}"
-    envs = sandboxes()
+    envs = sandboxes(private_tmp=True)
     try:
         envs.set_attr("marker", ["write", "read only"])
         for directory in ("/tmp", "/dev/shm"):
@@ -87,6 +87,11 @@ def test_tmp_and_dev_shm_are_private_to_each_sandbox():
         assert report["namespaces"]["ipc"] and report["no_new_privs"]
         assert envs.call("hostname") == ("gym-fork", "gym-fork")
         assert "pid" in report["missing"]  # reported, not claimed
+    finally:
+        envs.close()
+    envs = sandboxes()  # the default: the host's /tmp, as AsyncVectorEnv
+    try:
+        assert not envs.isolation["private_tmp"] and "private_tmp" in envs.isolation["missing"]
     finally:
         envs.close()
 

@@ -112,6 +112,7 @@ def test_branch_memory_and_tmp_files_are_private():
         [lambda: SpaceEnv(spaces.Discrete(5)) for _ in range(2)],
         envs_per_worker=1,
         lineage_log=False,
+        private_tmp=True,
     )
     branches = []
     name = f"gym_fork-test-{os.getpid()}.txt"
@@ -228,7 +229,6 @@ def test_from_parent_prepares_once_and_resets_from_fresh_clones(tmp_path):
         warmup=warm,
         ready_check=lambda env: env.warm,
         lineage_log=tmp_path / "lineage.jsonl",
-        private_tmp=False,  # the env logs into the host's tmp_path
     )
     try:
         built = [f for f in os.listdir(log_dir) if f.startswith("built-")]
