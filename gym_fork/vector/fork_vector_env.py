@@ -41,6 +41,8 @@ from gym_fork.errors import (
     SubEnvTimeout,
     TransportError,
 )
+from gym_fork.gpu import ForkUnsafeError, cuda_evidence, host_pid
+from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.process.host import (
     SPAWN_BATCH,
     ProcessHost,
@@ -131,6 +133,12 @@ class ForkVectorEnv(VectorEnv):
             namespace, where the host allows one).
         limits: :class:`SandboxLimits` (memory, CPU seconds, open files, processes).
         namespaces: isolate sandboxes with Linux namespaces where the host allows it.
+        gpu_fork_policy: what to do when a sandbox about to be forked holds a CUDA
+            context (CUDA does not survive fork): ``"refuse"`` (default) raises
+            :class:`gym_fork.gpu.ForkUnsafeError` naming the process and the evidence;
+            ``"clean"`` builds each sandbox cold from the env_fn instead of cloning the
+            warm parent (recorded in the lineage). A ``fork()`` of running sub-envs cannot
+            be done cleanly: it always refuses.
         timeout: seconds any call (reset, step, call, set_attr) may take when no explicit
             ``*_wait(timeout)`` is given; past it the sandboxes that did not answer are
             killed and :class:`SubEnvTimeout` names them (default None: wait forever,
@@ -167,6 +175,7 @@ class ForkVectorEnv(VectorEnv):
         namespaces: bool = True,
         private_tmp: bool = False,
         timeout: float | None = None,
+        gpu_fork_policy: str = "refuse",
         _prepare: tuple | None = None,
     ) -> None:
         self.env_fns = env_fns
@@ -218,6 +227,11 @@ class ForkVectorEnv(VectorEnv):
         self.check_actions = check_actions
         self.reset_mode = reset_mode
         self.timeout = timeout
+        if gpu_fork_policy not in ("refuse", "clean"):
+            raise ValueError(
+                f"gpu_fork_policy must be 'refuse' or 'clean', got {gpu_fork_policy!r}"
+            )
+        self.gpu_fork_policy = gpu_fork_policy
         self.isolation_config = IsolationConfig(
             namespaces=namespaces,
             network=network,
@@ -247,6 +261,7 @@ class ForkVectorEnv(VectorEnv):
         self._slab_fd = -1
         self._lineage: Lineage | None = None
         self._replacement_attach: bytes | None = None
+        self._clean_launch: dict[str, Any] | None = None
         self.closed = False
 
     @classmethod
@@ -288,6 +303,7 @@ class ForkVectorEnv(VectorEnv):
             isolation=self.isolation_config,
         )
         self._timings = {"parent_ready_s": time.perf_counter() - started}
+        self._check_warm_parent_gpu()
         self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC)
         groups = [
             list(range(start, min(start + self.envs_per_worker, self.num_envs)))
@@ -408,6 +424,7 @@ class ForkVectorEnv(VectorEnv):
         }
         seed = self._prepare[2] if self._prepare else None
         inputs = baseline_inputs(
+            gpu=gpu_probe().provenance(),
             env_identity=identity,
             env_ids=env_ids,
             config=config,
@@ -430,6 +447,31 @@ class ForkVectorEnv(VectorEnv):
             )
         )
         self._lineage = Lineage(tree, branch_id)
+        if self._clean_launch is not None:
+            tree.event(branch_id, "clean_launch", **self._clean_launch)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per sub-env: its sandbox's pid, RSS and PSS (bytes) and GPU memory (bytes, from
+        NVML; None without a GPU or when the sandbox holds no CUDA context)."""
+        report = gpu_probe()
+        by_pid = report.processes_by_pid() if report.nvml else {}
+        rows = []
+        for worker in self._workers:
+            memory = _smaps_rollup(worker.pid)
+            gpu = by_pid.get(host_pid(worker.pid))
+            gpu_bytes = sum(p.used_memory or 0 for _, p in gpu) if gpu else None
+            for index in worker.indices:
+                rows.append(
+                    {
+                        "index": index,
+                        "pid": worker.pid,
+                        "rss": memory.get("Rss"),
+                        "pss": memory.get("Pss"),
+                        "gpu_memory": gpu_bytes,
+                        "shares_sandbox_with": [i for i in worker.indices if i != index],
+                    }
+                )
+        return sorted(rows, key=lambda r: r["index"])
 
     @property
     def lineage(self) -> Lineage:
@@ -990,6 +1032,33 @@ class ForkVectorEnv(VectorEnv):
                 new_pids=[w.pid for w in fresh],
             )
 
+    def _check_warm_parent_gpu(self) -> None:
+        """Before cloning the warm parent: does it hold a CUDA context? (Checked once per
+        warm parent: it only forks after it is ready, so its state does not change.)"""
+        evidence = cuda_evidence(self._host.pid, gpu_probe())
+        if not evidence:
+            return
+        if self.gpu_fork_policy == "refuse":
+            raise ForkUnsafeError(
+                f"the warm parent (pid {self._host.pid}) holds a CUDA context, which does not "
+                f"survive fork: {'; '.join(evidence)}. Keep CUDA out of env_fn/warmup (build "
+                "on CPU, or initialise the GPU after the fork), keep GPU work in the "
+                "controller, or pass gpu_fork_policy='clean' to build each sandbox cold.",
+                pid=self._host.pid,
+                evidence=evidence,
+            )
+        # "clean": a warm parent that only imports; every sandbox builds (and warms) its
+        # own env from the env_fn, i.e. a cold start that keeps the reset promise.
+        tainted = self._host
+        self._host = ProcessHost(
+            self.env_fns[:1] if self._prepare else self.env_fns,
+            prepare=self._prepare,
+            prepare_in_sandbox=True,
+            isolation=self.isolation_config,
+        )
+        tainted.release()
+        self._clean_launch = {"reason": "warm parent holds CUDA", "evidence": evidence}
+
     def _ensure_warm_parent(self) -> ProcessHost | None:
         """Health check: a dead warm parent is replaced by a cold launch of the env_fns
         (the prepared state is rebuilt from scratch), recorded in the lineage. Returns
@@ -1067,9 +1136,21 @@ class ForkVectorEnv(VectorEnv):
                 raise ValueError(
                     f"reseed needs one seed per branch sub-env ({n}), got {len(seeds)}"
                 )
-        dead = [w for w in self._workers if any(i in w.indices for i in indices) and not w.alive()]
+        involved = [w for w in self._workers if any(i in w.indices for i in indices)]
+        dead = [w for w in involved if not w.alive()]
         if dead:
             raise self._crashed(dead[0], "before fork")
+        report = gpu_probe()
+        for worker in involved:
+            evidence = cuda_evidence(worker.pid, report)
+            if evidence:
+                raise ForkUnsafeError(
+                    f"sub-env(s) {worker.indices} (pid {worker.pid}) hold a CUDA context, "
+                    f"which does not survive fork: {'; '.join(evidence)}. A live fork of "
+                    "mid-episode state cannot fall back to a clean launch.",
+                    pid=worker.pid,
+                    evidence=evidence,
+                )
         started = time.perf_counter()
         branch = ForkVectorEnv.__new__(ForkVectorEnv)
         branch._init_branch(self, sources)
@@ -1115,6 +1196,7 @@ class ForkVectorEnv(VectorEnv):
             "reset_mode",
             "isolation_config",
             "timeout",
+            "gpu_fork_policy",
             "metadata",
             "render_mode",
             "single_action_space",
@@ -1251,6 +1333,20 @@ class ForkVectorEnv(VectorEnv):
     def __repr__(self) -> str:
         """Same form as AsyncVectorEnv's repr."""
         return VectorEnv.__repr__(self)
+
+
+def _smaps_rollup(pid: int) -> dict[str, int]:
+    """Rss/Pss/... of a process in bytes (empty if it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def auto_envs_per_worker(num_envs: int) -> int:

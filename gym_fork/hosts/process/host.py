@@ -144,6 +144,7 @@ class ProcessHost:
         env_fns,
         *,
         prepare: tuple | None = None,
+        prepare_in_sandbox: bool = False,
         isolation: IsolationConfig | None = None,
         start_timeout: float | None = None,
         echo_output: bool = True,
@@ -187,6 +188,7 @@ class ProcessHost:
                 "controller_pid": os.getpid(),
                 "die_with_controller": threading.current_thread() is threading.main_thread(),
                 "prepare": None if prepare is None else cloudpickle.dumps(prepare),
+                "prepare_in_sandbox": prepare_in_sandbox,
                 "isolation": cloudpickle.dumps(self.isolation_config),
             },
         )

@@ -37,6 +37,7 @@ class WarmParent:
         self.sock = sock
         self.env_fns = None
         self.prototype = None  # the prepared env of from_parent, None otherwise
+        self.recipe = None  # (warmup, ready_check, seed) of from_parent
         self.exit_codes: dict[int, int] = {}
         self.spawned: set[int] = set()
         self.prepare_seconds = 0.0
@@ -57,25 +58,34 @@ class WarmParent:
         self.env_fns = cloudpickle.loads(message["env_fns"])
         prepare = message.get("prepare")
         if prepare is not None:
-            warmup, ready_check, seed = cloudpickle.loads(prepare)
-            env = self.env_fns[0]()
-            if seed is not None:
-                env.reset(seed=seed)
-            if warmup is not None:
-                warmup(env)
-            if ready_check is not None and ready_check(env) is False:
-                raise RuntimeError("ready_check(env) returned False: the parent is not ready")
-            self.prototype = env
+            self.recipe = cloudpickle.loads(prepare)
+            if not message.get("prepare_in_sandbox"):
+                self.prototype = self._prepared_env()
         # Objects alive now are shared copy-on-write with every sandbox: keep the
         # collector from touching (and so copying) their pages after fork.
         gc.collect()
         gc.freeze()
         self.prepare_seconds = time.perf_counter() - start
 
+    def _prepared_env(self):
+        """env_fn(), then reset(seed), warmup(env) and ready_check(env)."""
+        warmup, ready_check, seed = self.recipe
+        env = self.env_fns[0]()
+        if seed is not None:
+            env.reset(seed=seed)
+        if warmup is not None:
+            warmup(env)
+        if ready_check is not None and ready_check(env) is False:
+            raise RuntimeError("ready_check(env) returned False: the parent is not ready")
+        return env
+
     def make_env(self, origin: int):
-        """The env a new sandbox starts from: the prototype's copy, or a fresh build."""
+        """The env a new sandbox starts from: the prototype's copy, a prepared env built
+        in the sandbox (a clean launch), or a fresh build of env_fns[origin]."""
         if self.prototype is not None:
             return self.prototype
+        if self.recipe is not None:
+            return self._prepared_env()
         return self.env_fns[origin]()
 
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
