@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the drop-in swap from AsyncVectorEnv, and its speed")
     demo.add_argument("--num-envs", type=int, default=8)
     demo.add_argument("--steps", type=int, default=3000)
+    sub.add_parser("doctor", help="what this host supports and what gym_fork will use")
     lineage = sub.add_parser("lineage", help="print the branch tree of a lineage log")
     lineage.add_argument("log", nargs="?", help="a lineage JSONL log (default: the default log)")
     args = parser.parse_args(argv)
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from gym_fork.demo import run
 
         run(args.num_envs, args.steps)
+    elif args.command == "doctor":
+        from gym_fork.doctor import run
+
+        return run()
     elif args.command == "lineage":
         from gym_fork.lineage import default_log_path, read_log, render_tree
 
