@@ -51,8 +51,13 @@ class CudaEnv(gym.Env):
 
 def main() -> None:
     report = probe()
-    print("probe:", report.nvml, report.reason or "", report.driver_version,
-          [f"{d.name} {d.uuid}" for d in report.devices])
+    print(
+        "probe:",
+        report.nvml,
+        report.reason or "",
+        report.driver_version,
+        [f"{d.name} {d.uuid}" for d in report.devices],
+    )
     if not report.nvml:
         print("no NVML here: nothing to check")
         return
@@ -76,11 +81,15 @@ def main() -> None:
         print("FAIL: a CUDA warm parent was not refused")
     except ForkUnsafeError as exc:
         print("warm parent refused as expected:", exc.evidence[:1])
-    envs = ForkVectorEnv.from_parent(lambda: CudaEnv(True), 2, gpu_fork_policy="clean",
-                                     lineage_log=False)
+    envs = ForkVectorEnv.from_parent(
+        lambda: CudaEnv(True), 2, gpu_fork_policy="clean", lineage_log=False
+    )
     envs.reset(seed=0)
-    print("clean launch works:", envs.step(np.array([0, 1]))[1],
-          [e["event"] for e in envs.lineage.record.events])
+    print(
+        "clean launch works:",
+        envs.step(np.array([0, 1]))[1],
+        [e["event"] for e in envs.lineage.record.events],
+    )
     envs.close()
 
     # 4: CPU-only warm parent, CUDA initialised after the fork, against a cold start.
@@ -95,11 +104,20 @@ def main() -> None:
     cold = []
     for _ in range(3):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks');"
-                        "from gpu_check import CudaEnv; CudaEnv().init_cuda(1)"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; sys.path.insert(0, 'benchmarks');"
+                "from gpu_check import CudaEnv; CudaEnv().init_cuda(1)",
+            ],
+            check=True,
+        )
         cold.append(time.perf_counter() - start)
-    print(f"clone + CUDA init after fork: p50 {statistics.median(times) * 1e3:.1f} ms; "
-          f"cold process + CUDA init: p50 {statistics.median(cold) * 1e3:.1f} ms")
+    print(
+        f"clone + CUDA init after fork: p50 {statistics.median(times) * 1e3:.1f} ms; "
+        f"cold process + CUDA init: p50 {statistics.median(cold) * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from gym_fork.hosts.process.host import (
     SandboxEnds,
     WorkerHandle,
     WorkerSpec,
+    hand_over,
 )
 from gym_fork.lineage import (
     Lineage,
@@ -1280,21 +1281,17 @@ class ForkVectorEnv(VectorEnv):
             [sources[j], j, seeds[j], spec.name]
             for j, spec in zip(branch_indices, specs, strict=True)
         ]
-        try:
+
+        def exchange() -> list[Any]:
             send_message(worker.sock, {"op": "fork"}, fds=tuple(fds))
             source._send(
                 worker,
                 P.FORK,
                 {"clones": clones, "num_envs": self.num_envs, "ring_capacity": self.ring_bytes},
             )
-            _op, _seq, pids, errors = source._receive(worker, _Deadline(None), P.FORK)
-        except BaseException:
-            for end in ends:
-                end.handed_over()
-                end.abort()
-            raise
-        for end in ends:
-            end.handed_over()
+            return source._receive(worker, _Deadline(None), P.FORK)
+
+        _op, _seq, pids, errors = hand_over(ends, exchange)
         if errors:
             for end in ends:
                 end.abort()

@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import gymnasium as gym
@@ -331,10 +331,10 @@ class Worker:
     def _become_clone(
         self, slot, branch_index, seed, name, mine, all_fds, branch_arg, capacity, gate
     ):
-        code = 0
-        try:
-            slab_fd, channel_fd, sock_fd, out_fd, err_fd = mine
-            redirect_output(out_fd, err_fd)
+        slab_fd, channel_fd, sock_fd, out_fd, err_fd = mine
+        redirect_output(out_fd, err_fd)
+
+        def body() -> None:
             for fd in all_fds:
                 if fd not in mine:
                     os.close(fd)
@@ -363,13 +363,8 @@ class Worker:
             worker.channel.send([P.HELLO, 0, worker._identity(), None])
             _await_adoption(gate, self.warm_parent)
             worker.run()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+
+        run_as_sandbox(body)
 
     def close_envs(self) -> None:
         for slot in self.slots:
@@ -421,6 +416,20 @@ class Worker:
                 # An info or call result that cannot travel: report it, lose nothing else.
                 record = pack([op, seq, None, [_error_entry(self.indices[0], exc)]])
             channel.send_raw(record)
+
+
+def run_as_sandbox(body: Callable[[], None]) -> NoReturn:
+    """Run a sandbox process's whole life; it never returns into the code that forked it."""
+    code = 0
+    try:
+        body()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 # Fds handed to a new sandbox besides the slab: channel, side socket, stdout, stderr.

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,21 @@ class SandboxEnds:
             list(self.spec.origins),
             output=self.output,
         )
+
+
+def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
+    """Run ``exchange`` (send the ends' fds, wait for the answer), then close the
+    controller's copies of the sandboxes' ends; if it fails, close everything."""
+    try:
+        result = exchange()
+    except BaseException:
+        for end in ends:
+            end.handed_over()
+            end.abort()
+        raise
+    for end in ends:
+        end.handed_over()
+    return result
 
 
 class ProcessHost:
@@ -268,17 +284,13 @@ class ProcessHost:
                 for spec in specs
             ],
         }
-        try:
+
+        def exchange() -> dict:
             with self._lock:
                 send_message(self.sock, message, fds=tuple(fds))
-                reply = self._request_reply(60.0, what=f"spawn {specs[0].name}")
-        except BaseException:
-            for end in ends:
-                end.handed_over()
-                end.abort()
-            raise
-        for end in ends:
-            end.handed_over()
+                return self._request_reply(60.0, what=f"spawn {specs[0].name}")
+
+        reply = hand_over(ends, exchange)
         if reply["op"] != "spawned":
             for end in ends:
                 end.abort()

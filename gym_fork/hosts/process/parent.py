@@ -27,7 +27,7 @@ from gym_fork.system import linux
 from gym_fork.system.isolation import IsolationConfig, isolate_tree
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
-from gym_fork.worker.loop import FDS_PER_SANDBOX, redirect_output
+from gym_fork.worker.loop import FDS_PER_SANDBOX, redirect_output, run_as_sandbox, serve
 
 
 class WarmParent:
@@ -126,14 +126,11 @@ class WarmParent:
     def _become_worker(
         self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
     ) -> None:
-        code = 0
-        try:
+        def body() -> None:
             linux.die_with_parent(self.pid)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.sock.close()
-            from gym_fork.worker.loop import serve
-
             serve(
                 channel_fd,
                 spec["ring_capacity"],
@@ -147,13 +144,8 @@ class WarmParent:
                 isolation=(self.isolation_config, self.tree_isolation),
                 attach=attach,
             )
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+
+        run_as_sandbox(body)
 
     def reap(self) -> None:
         while True:
