@@ -28,6 +28,8 @@ class BranchRecord:
     timings: dict[str, float] = field(default_factory=dict)
     isolation: dict[str, Any] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)
+    gpu_memory_created: int | None = None  # bytes on GPUs held by its sandboxes (NVML)
+    gpu_memory_closed: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -72,18 +74,20 @@ class LineageTree:
         self.branches[branch_id].events.append(entry)
         self.log.append(entry)
 
-    def close(self, branch_id: str, exit_status: str) -> None:
+    def close(self, branch_id: str, exit_status: str, gpu_memory: int | None = None) -> None:
         record = self.branches[branch_id]
         if record.closed is not None:
             return
         record.closed = time.time()
         record.exit_status = exit_status
+        record.gpu_memory_closed = gpu_memory
         self.log.append(
             {
                 "event": "closed",
                 "branch_id": branch_id,
                 "closed": record.closed,
                 "exit_status": exit_status,
+                "gpu_memory": gpu_memory,
             }
         )
 

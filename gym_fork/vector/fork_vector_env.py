@@ -445,11 +445,22 @@ class ForkVectorEnv(VectorEnv):
                 timings=dict(self._timings),
                 isolation=self.isolation,
                 pids=self.worker_pids,
+                gpu_memory_created=self._gpu_memory(),
             )
         )
         self._lineage = Lineage(tree, branch_id)
         if self._clean_launch is not None:
             tree.event(branch_id, "clean_launch", **self._clean_launch)
+
+    def _gpu_memory(self) -> int | None:
+        """GPU bytes held by this vector env's sandboxes (NVML), None without NVML."""
+        report = gpu_probe()
+        if not report.nvml:
+            return None
+        by_pid = report.processes_by_pid()
+        return sum(
+            p.used_memory or 0 for w in self._workers for _, p in by_pid.get(host_pid(w.pid), [])
+        )
 
     def stats(self) -> list[dict[str, Any]]:
         """Per sub-env: its sandbox's pid, RSS and PSS (bytes) and GPU memory (bytes, from
@@ -825,6 +836,7 @@ class ForkVectorEnv(VectorEnv):
 
     def _teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
         self._state = AsyncState.DEFAULT
+        gpu_at_close = self._gpu_memory() if self._lineage is not None else None
         workers, self._workers = self._workers, []
         if not terminate:
             live = [w for w in workers if w.alive()]
@@ -854,7 +866,9 @@ class ForkVectorEnv(VectorEnv):
             self._slab_fd = -1
         if self._lineage is not None:
             self._lineage.tree.close(
-                self._lineage.branch_id, "terminated" if terminate else "closed"
+                self._lineage.branch_id,
+                "terminated" if terminate else "closed",
+                gpu_memory=gpu_at_close,
             )
 
     def __del__(self) -> None:
@@ -1175,6 +1189,7 @@ class ForkVectorEnv(VectorEnv):
                 timings={"fork_s": elapsed},
                 isolation=branch.isolation,
                 pids=branch.worker_pids,
+                gpu_memory_created=branch._gpu_memory(),
             )
         )
         branch._lineage = Lineage(tree, branch_id)

@@ -108,7 +108,10 @@ def test_fork_of_a_sandbox_listed_by_nvml_is_refused_with_the_evidence(fake_nvml
             envs.fork("gpu-branch", indices=[1])
         assert info.value.pid == victim and "NVML lists" in info.value.evidence[0]
         branch = envs.fork("cpu-branch", indices=[0])  # a clean sandbox still forks
+        assert branch.lineage.record.gpu_memory_created == 0
+        fake_nvml.compute_pids[:] = [victim, branch.worker_pids[0]]
         branch.close()
+        assert branch.lineage.record.gpu_memory_closed == 512 << 20
         gpu = [row["gpu_memory"] for row in envs.stats()]
         assert gpu == [None, 512 << 20]
     finally:
