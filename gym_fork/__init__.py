@@ -28,6 +28,7 @@ __all__ = [
     "SubEnvTimeout",
     "TransportError",
     "__version__",
+    "make_vec",
 ]
 
 
@@ -37,4 +38,8 @@ def __getattr__(name: str):
         from gym_fork.vector.fork_vector_env import ForkVectorEnv
 
         return ForkVectorEnv
+    if name == "make_vec":
+        from gym_fork.make import make_vec
+
+        return make_vec
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")

@@ -263,6 +263,7 @@ class ForkVectorEnv(VectorEnv):
         self._lineage: Lineage | None = None
         self._replacement_attach: bytes | None = None
         self._clean_launch: dict[str, Any] | None = None
+        self._held: list[tuple[WorkerHandle, bytes]] = []
         self.closed = False
 
     @classmethod
@@ -898,15 +899,32 @@ class ForkVectorEnv(VectorEnv):
     def _send_same(self, op: int, arg: Any) -> None:
         seq = self._next_seq()
         record = pack([op, seq, arg])
-        for worker in self._workers:
-            worker.channel.send_raw(record)
-            worker.awaiting = seq
+        self._dispatch(op, seq, [record] * len(self._workers))
 
     def _send_all(self, op: int, args: list[Any]) -> None:
         seq = self._next_seq()
-        for worker, arg in zip(self._workers, args, strict=True):
-            worker.channel.send([op, seq, arg])
+        self._dispatch(op, seq, [pack([op, seq, arg]) for arg in args])
+
+    def _dispatch(self, op: int, seq: int, records: list[bytes]) -> None:
+        """Send one record per worker; with ``max_concurrency``, resets and steps beyond
+        the limit wait in ``_held`` and go out as earlier sub-envs answer (_collect)."""
+        self._held = []
+        budget = None
+        if self.max_concurrency is not None and op in (P.RESET, P.STEP):
+            budget = self.max_concurrency
+        running = 0
+        for worker, record in zip(self._workers, records, strict=True):
             worker.awaiting = seq
+            if budget is None or running == 0 or running + len(worker.indices) <= budget:
+                worker.channel.send_raw(record)
+                running += len(worker.indices)
+            else:
+                self._held.append((worker, record))
+
+    def _release_held(self) -> None:
+        if self._held:
+            worker, record = self._held.pop(0)
+            worker.channel.send_raw(record)
 
     def _receive(self, worker: WorkerHandle, deadline: _Deadline, op: int) -> list[Any]:
         """The reply ``worker`` owes for ``op``; earlier, abandoned replies are dropped."""
@@ -948,7 +966,14 @@ class ForkVectorEnv(VectorEnv):
         deadline = _Deadline(timeout)
         results, errors = [], []
         for worker in self._workers:
-            _op, _seq, result, worker_errors = self._receive(worker, deadline, op)
+            try:
+                _op, _seq, result, worker_errors = self._receive(worker, deadline, op)
+            except BaseException:
+                for held, _record in self._held:  # never sent: nothing to wait for
+                    held.awaiting = 0
+                self._held = []
+                raise
+            self._release_held()
             results.append(result)
             if worker_errors:
                 errors.extend(worker_errors)

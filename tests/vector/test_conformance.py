@@ -9,7 +9,7 @@ from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from gym_fork import ForkVectorEnv
-from tests.helpers import make_space_env
+from tests.helpers import SpaceEnv, make_space_env
 
 OBSERVATION_SPACES = {
     "box-f32": spaces.Box(-1, 1, (3,), np.float32),
@@ -177,3 +177,92 @@ def test_cartpole_matches_sync_for_a_thousand_steps(envs_per_worker):
     finally:
         fork.close()
         sync.close()
+
+
+class CountingEnv:
+    """Counts, in a shared file, how many sub-envs are inside step() at once."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self):
+        import fcntl
+        import time
+
+        path = self.path
+
+        class Env(SpaceEnv):
+            def __init__(self):
+                super().__init__(spaces.Discrete(3), max_len=1000, trunc_prob=0)
+
+            def _bump(self, delta):
+                with open(path, "r+") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX)
+                    now, peak = map(int, f.read().split())
+                    now += delta
+                    f.seek(0)
+                    f.truncate()
+                    f.write(f"{now} {max(now, peak)}")
+
+            def step(self, action):
+                self._bump(+1)
+                time.sleep(0.05)
+                self._bump(-1)
+                return super().step(action)
+
+        return Env()
+
+
+@pytest.mark.parametrize("limit", [1, 2, None])
+def test_max_concurrency_bounds_sub_envs_stepping_at_once(tmp_path, limit):
+    path = tmp_path / "count"
+    path.write_text("0 0")
+    envs = ForkVectorEnv(
+        [CountingEnv(str(path))] * 4, envs_per_worker=1, max_concurrency=limit, lineage_log=False
+    )
+    try:
+        envs.reset(seed=0)
+        for _ in range(3):
+            envs.step(np.array([0, 1, 2, 0]))
+        peak = int(path.read_text().split()[1])
+        if limit is None:
+            assert peak >= 2  # 4 sleeping sub-envs overlap without a limit
+        else:
+            assert peak <= limit
+    finally:
+        envs.close()
+
+
+def test_make_vec_matches_gymnasium_make_vec():
+    import gymnasium as gym
+    from gymnasium.wrappers import RecordEpisodeStatistics
+
+    import gym_fork
+
+    for from_parent in (False, True):
+        fork = gym_fork.make_vec(
+            "CartPole-v1",
+            3,
+            wrappers=[RecordEpisodeStatistics],
+            from_parent=from_parent,
+            vector_kwargs={"lineage_log": False},
+            max_episode_steps=20,
+        )
+        sync = gym.make_vec(
+            "CartPole-v1",
+            3,
+            vectorization_mode="sync",
+            wrappers=[RecordEpisodeStatistics],
+            max_episode_steps=20,
+        )
+        try:
+            assert data_equivalence(fork.reset(seed=3), sync.reset(seed=3))
+            for _ in range(30):
+                a = np.array([1, 0, 1])
+                (*fa, finfo), (*sa, sinfo) = fork.step(a), sync.step(a)
+                for info in (finfo, sinfo):  # the episode's wall-clock time differs
+                    info.get("episode", {}).pop("t", None)
+                assert data_equivalence(fa, sa) and data_equivalence(finfo, sinfo)
+        finally:
+            fork.close()
+            sync.close()
