@@ -15,6 +15,7 @@ os.environ.setdefault(
 
 from tests.helpers import (
     descendants,
+    gym_fork_cgroups,
     gym_fork_scratch_dirs,
     gym_fork_shm_files,
     open_fds,
@@ -30,6 +31,7 @@ def no_leaks(request):
     gc.collect()
     procs_before, fds_before, shm_before = descendants(), open_fds(), gym_fork_shm_files()
     scratch_before = gym_fork_scratch_dirs()
+    cgroups_before = gym_fork_cgroups()
     yield
     gc.collect()
     assert wait_until(lambda: descendants() <= procs_before), (
@@ -39,4 +41,7 @@ def no_leaks(request):
     assert gym_fork_shm_files() <= shm_before
     assert wait_until(lambda: gym_fork_scratch_dirs() <= scratch_before), (
         f"leaked scratch dirs: {gym_fork_scratch_dirs() - scratch_before}"
+    )
+    assert wait_until(lambda: gym_fork_cgroups() <= cgroups_before), (
+        f"leaked cgroups: {gym_fork_cgroups() - cgroups_before}"
     )

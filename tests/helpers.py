@@ -101,6 +101,21 @@ class SpaceEnv(gym.Env):
 
         return socket.gethostname()
 
+    def spawn_children(self, n):
+        import subprocess
+
+        procs = []
+        try:
+            for _ in range(n):
+                procs.append(subprocess.Popen(["sleep", "5"]))
+            return "allowed"
+        except OSError:
+            return "refused"
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
     def burn_cpu(self, seconds):
         import time
 
@@ -144,6 +159,12 @@ def open_fds() -> set[int]:
 
 def gym_fork_shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "gym_fork" in n}
+
+
+def gym_fork_cgroups() -> set[str]:
+    from gym_fork.system.cgroups import leftover_groups
+
+    return leftover_groups()
 
 
 def gym_fork_scratch_dirs() -> set[str]:

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gym_fork.system import linux
+from gym_fork.system import cgroups, linux
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -36,11 +36,12 @@ from gym_fork.system.scratch import base_dir
 class SandboxLimits:
     """Per-sandbox resource limits (None: not limited).
 
-    ``memory_bytes`` caps the sandbox's data segment and anonymous memory (RLIMIT_DATA);
-    an allocation beyond it fails inside the env (numpy raises MemoryError), which is
-    reported as that sub-env's error. ``cpu_seconds`` (RLIMIT_CPU) kills a sandbox with
-    SIGXCPU. ``open_files`` is RLIMIT_NOFILE; ``processes`` is RLIMIT_NPROC, which the
-    kernel counts per user and does not enforce for root.
+    ``memory_bytes`` caps the sandbox's data segment and anonymous memory (RLIMIT_DATA):
+    an allocation beyond it fails inside the env (numpy raises MemoryError), reported as
+    that sub-env's error; where a memory cgroup is writable it also caps the memory the
+    sandbox adds (the OOM killer then ends it). ``cpu_seconds`` (RLIMIT_CPU) kills a
+    sandbox with SIGXCPU. ``open_files`` is RLIMIT_NOFILE. ``processes`` is RLIMIT_NPROC
+    (per user, not enforced for root) and, where available, the pids cgroup's pids.max.
     """
 
     memory_bytes: int | None = None
@@ -166,6 +167,14 @@ def enter_sandbox(
     except OSError as exc:
         achieved.missing["no_new_privs"] = str(exc)
     achieved.limits = apply_limits(config.limits, achieved.missing)
+    limits = config.limits
+    if limits.memory_bytes is not None or limits.processes is not None:
+        joined = cgroups.join(warm_parent, limits.memory_bytes, limits.processes)
+        for name, why in joined.pop("errors").items():
+            achieved.missing[f"cgroup_{name}"] = why
+        if "processes" in joined:
+            achieved.missing.pop("limit_processes", None)  # pids.max binds root too
+        achieved.limits["cgroups"] = joined
     return scratch, achieved
 
 

@@ -99,7 +99,7 @@ def test_tmp_and_dev_shm_are_private_to_each_sandbox():
 def test_the_memory_limit_fails_the_allocation_with_a_clear_error():
     envs = sandboxes(1, limits=SandboxLimits(memory_bytes=1 << 30))
     try:
-        assert envs.isolation["limits"] == {"memory_bytes": 1 << 30}
+        assert envs.isolation["limits"]["memory_bytes"] == 1 << 30
         with pytest.raises(MemoryError) as info:
             envs.call("allocate", 2 << 30)
         assert "sub-env 0" in "\n".join(info.value.__notes__)
@@ -134,5 +134,20 @@ def test_without_namespaces_the_missing_layers_are_reported_and_warned_once():
         assert "namespaces" in report["missing"] and report["network"] == "host"
         texts = [str(w.message) for w in caught if "run without" in str(w.message)]
         assert len(texts) == 1 and "namespaces" in texts[0]
+    finally:
+        envs.close()
+
+
+@pytest.mark.skipif(
+    __import__("gym_fork.system.cgroups", fromlist=["x"]).controller_root("pids") is None,
+    reason="no writable pids cgroup controller on this host",
+)
+def test_the_process_limit_binds_even_root_through_the_pids_cgroup():
+    envs = sandboxes(1, limits=SandboxLimits(processes=3))
+    try:
+        report = envs.isolation
+        assert report["limits"]["cgroups"]["processes"] == 3
+        assert "limit_processes" not in report["missing"]
+        assert envs.call("spawn_children", 10) == ("refused",)
     finally:
         envs.close()

@@ -23,7 +23,7 @@ import traceback
 
 import cloudpickle
 
-from gym_fork.system import linux
+from gym_fork.system import cgroups, linux
 from gym_fork.system.isolation import IsolationConfig, isolate_tree
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
@@ -158,12 +158,14 @@ class WarmParent:
             self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
             self.spawned.discard(pid)
             remove_sandbox_scratch(self.pid, pid)
+            cgroups.remove(self.pid, pid)
 
     def kill_children(self) -> None:
         try:
             self._kill_children()
         finally:
             sweep(self.pid)
+            cgroups.remove_tree(self.pid)
 
     def _kill_children(self) -> None:
         # Sandboxes adopted from workers die with us through their PDEATHSIG; the ones
@@ -216,6 +218,7 @@ def main() -> None:
             linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
         parent.isolation_config = cloudpickle.loads(message["isolation"])
         parent.tree_isolation = isolate_tree(parent.isolation_config)
+        cgroups.sweep_stale()
         try:
             parent.prepare(message)
         except Exception as exc:
