@@ -558,7 +558,17 @@ class ForkVectorEnv(VectorEnv):
         return achieved
 
     def _warn_missing_isolation(self) -> None:
-        missing = self.isolation.get("missing", {})
+        """Warn once about layers the host could not give; not about the caller's choices
+        (network=True, private_tmp=False, namespaces=False) or the by-design pid layer."""
+        config = self.isolation_config
+        chosen = {"pid"}
+        if config.network:
+            chosen.add("net")
+        if not config.private_tmp:
+            chosen.add("private_tmp")
+        if not config.namespaces:
+            chosen.add("namespaces")
+        missing = {k: v for k, v in self.isolation.get("missing", {}).items() if k not in chosen}
         key = tuple(sorted(missing))
         if key and key not in _WARNED_MISSING:
             _WARNED_MISSING.add(key)

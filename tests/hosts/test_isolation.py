@@ -120,21 +120,34 @@ def test_the_cpu_limit_kills_the_sandbox_and_says_so():
         envs.close()
 
 
-def test_without_namespaces_the_missing_layers_are_reported_and_warned_once():
+def test_missing_layers_are_reported_and_only_the_unavailable_ones_warned_once(monkeypatch):
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        envs = sandboxes(1, namespaces=False)
-        envs.close()
-        envs = sandboxes(1, namespaces=False)
+        envs = sandboxes(1, namespaces=False)  # the caller's choice: reported, not warned
     try:
         report = envs.isolation
         assert not report["namespaces"]["mount"] and not report["namespaces"]["net"]
         assert "namespaces" in report["missing"] and report["network"] == "host"
-        texts = [str(w.message) for w in caught if "run without" in str(w.message)]
-        assert len(texts) == 1 and "namespaces" in texts[0]
+        assert not [w for w in caught if "run without" in str(w.message)]
     finally:
+        envs.close()
+
+    # A host that cannot give a layer the caller wants: warned once, naming it.
+    envs = sandboxes(1)
+    try:
+        fake = {"missing": {"pid": "by design", "mount": "unshare failed (EPERM)"}}
+        monkeypatch.setattr(ForkVectorEnv, "isolation", property(lambda self: fake))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            envs._warn_missing_isolation()
+            envs._warn_missing_isolation()
+        texts = [str(w.message) for w in caught if "run without" in str(w.message)]
+        assert len(texts) == 1 and "mount (unshare failed (EPERM))" in texts[0]
+        assert "pid" not in texts[0]
+    finally:
+        monkeypatch.undo()
         envs.close()
 
 
