@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import tempfile
 
 import pytest
-
-# Tests write their provenance to a throw-away log, not the user's state directory.
-os.environ.setdefault(
-    "GYM_FORK_LINEAGE_LOG", os.path.join(tempfile.mkdtemp(prefix="gym_fork-test-"), "lineage.jsonl")
-)
 
 from tests.helpers import (
     descendants,
@@ -21,6 +17,19 @@ from tests.helpers import (
     open_fds,
     wait_until,
 )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def throwaway_lineage_log():
+    """Tests write their provenance to a throw-away log, not the user's state directory."""
+    if "GYM_FORK_LINEAGE_LOG" in os.environ:
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="gym_fork-test-")
+    os.environ["GYM_FORK_LINEAGE_LOG"] = os.path.join(directory, "lineage.jsonl")
+    yield
+    del os.environ["GYM_FORK_LINEAGE_LOG"]
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
