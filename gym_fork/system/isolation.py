@@ -22,7 +22,6 @@ import contextlib
 import os
 import resource
 import shutil
-import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -144,7 +143,7 @@ def enter_sandbox(
         pass  # the caller wants the host's /tmp: nothing private, nothing to copy
     elif not achieved.sandbox.get("private_tmp"):
         scratch = tempfile.mkdtemp(
-            prefix=f"gym_fork-scratch-{warm_parent}-{os.getpid()}-", dir=_host_scratch_base()
+            prefix=f"gym_fork-scratch-{warm_parent}-{os.getpid()}-", dir=base_dir()
         )
         _copy_tree(copy_from, scratch)
         os.environ["TMPDIR"] = scratch
@@ -211,10 +210,6 @@ def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
             shutil.copy2(src, dst, follow_symlinks=False)
 
 
-def _host_scratch_base() -> str:
-    return base_dir()
-
-
 _RLIMITS = {
     "memory_bytes": resource.RLIMIT_DATA,
     "cpu_seconds": resource.RLIMIT_CPU,
@@ -238,7 +233,3 @@ def apply_limits(limits: SandboxLimits, missing: dict[str, str]) -> dict[str, An
     if limits.processes is not None and os.geteuid() == 0:
         missing["limit_processes"] = "RLIMIT_NPROC is not enforced for root"
     return applied
-
-
-def hostname() -> str:
-    return socket.gethostname()

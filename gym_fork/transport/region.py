@@ -27,13 +27,6 @@ class Region:
         """Map an existing region received as ``fd``."""
         return cls(size, fd=fd)
 
-    def resize(self, size: int) -> None:
-        """Grow the region (both the file and this mapping)."""
-        os.ftruncate(self.fd, size)
-        self.map.close()
-        self.size = size
-        self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-
     def forget_fd(self) -> None:
         """Close the fd but keep the mapping (once the region has been handed over)."""
         if self.fd >= 0:

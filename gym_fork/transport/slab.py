@@ -187,6 +187,17 @@ class _TupleNode:
             child.write_batch(item)
 
 
+def leaves(node) -> list:
+    """The leaves of a slab layout tree (each has ``.space`` and ``.array``)."""
+    if node is None:
+        return []
+    if isinstance(node, _DictNode):
+        return [leaf for child in node.children.values() for leaf in leaves(child)]
+    if isinstance(node, _TupleNode):
+        return [leaf for child in node.children for leaf in leaves(child)]
+    return [node]
+
+
 def async_shares(space: spaces.Space) -> bool:
     """True if AsyncVectorEnv(shared_memory=True) accepts ``space`` (Gymnasium 1.x rules)."""
     if type(space) in (

@@ -66,6 +66,7 @@ from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.codec import pack
 from gym_fork.transport.control import send_message
 from gym_fork.transport.slab import Slab, async_shares, slab_node
+from gym_fork.transport.slab import leaves as slab_leaves
 from gym_fork.worker import protocol as P
 
 __all__ = ["ForkVectorEnv"]
@@ -513,28 +514,20 @@ class ForkVectorEnv(VectorEnv):
         replies = self._collect(None, P.ATTACH)
         return [check for reply in replies for check in reply]
 
-    def _integer_action_leaves(self) -> list[tuple[Any, np.ndarray]]:
+    def _integer_action_leaves(self) -> list[tuple[Any, Any, Any, Any]]:
+        """(space, low, high, leaf) of the integer action leaves, for check_actions."""
         from gymnasium import spaces
 
-        leaves = []
-
-        def walk(space, node):
-            if isinstance(node, dict) or type(node).__name__ == "_DictNode":
-                for key, child in node.children.items():
-                    walk(space[key], child)
-            elif type(node).__name__ == "_TupleNode":
-                for sub, child in zip(space.spaces, node.children, strict=True):
-                    walk(sub, child)
-            elif type(space) is spaces.Discrete:
-                leaves.append((space, space.start, space.start + space.n - 1, node))
+        out = []
+        for leaf in slab_leaves(self._slab.actions):
+            space = leaf.space
+            if type(space) is spaces.Discrete:
+                out.append((space, space.start, space.start + space.n - 1, leaf))
             elif type(space) is spaces.MultiDiscrete:
-                leaves.append((space, space.start, space.start + space.nvec - 1, node))
+                out.append((space, space.start, space.start + space.nvec - 1, leaf))
             elif type(space) is spaces.MultiBinary:
-                leaves.append((space, 0, 1, node))
-
-        if self._slab.actions is not None:
-            walk(self.single_action_space, self._slab.actions)
-        return leaves
+                out.append((space, 0, 1, leaf))
+        return out
 
     # -- properties -----------------------------------------------------------------
     @property
