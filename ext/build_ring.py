@@ -19,6 +19,7 @@ ffibuilder.cdef(
     #define GF_ECOUNTERS -7
     #define GF_EINVAL -8
     #define GF_RECORD_HEADER 16
+    #define GF_SPIN_POLL 0x80000000
     typedef struct gf_ring gf_ring;
     uint64_t gf_ring_control_size(void);
     int gf_ring_init(gf_ring *ring, uint64_t capacity, uint32_t spin);

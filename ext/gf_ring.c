@@ -35,6 +35,12 @@
  *     publish and wakes only when the flag is set. Either the waiter's re-check sees the
  *     publish or the peer sees the flag, so no wake-up is lost. The futex is not
  *     FUTEX_PRIVATE because the two parties are different processes.
+ * 10. Polling (spin has GF_SPIN_POLL set): the two parties run under different kernels
+ *     (a VM guest and its host share the region through ivshmem), so a futex cannot
+ *     wake across. Both sides then never set *_sleeping and never FUTEX_WAIT: after the
+ *     spin rounds a waiter sleeps for a growing interval (GF_POLL_MIN_NS doubling up
+ *     to GF_POLL_MAX_NS) and re-checks. Both ends of one ring must agree on the mode;
+ *     a futex-mode waiter facing a polling peer would sleep until its deadline.
  */
 #include "gf_ring.h"
 
@@ -76,6 +82,19 @@ static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* One polling sleep; returns the next interval (doubling, capped). */
+static int64_t poll_sleep(int64_t interval, int64_t deadline) {
+    if (deadline >= 0) {
+        int64_t left = deadline - now_ns();
+        if (left <= 0) return interval;
+        if (left < interval) interval = left;
+    }
+    struct timespec ts = {interval / 1000000000LL, interval % 1000000000LL};
+    nanosleep(&ts, NULL);
+    interval *= 2;
+    return interval > GF_POLL_MAX_NS ? GF_POLL_MAX_NS : interval;
 }
 
 /* Sleep until *word != expected, a wake-up, or the deadline (-1: none). */
@@ -135,7 +154,10 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
     if (length > 0xffffffffu || need > cap) return GF_ETOOBIG;
     uint64_t wpos = LOAD_RLX(&ring->write_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+    int poll = (spin & GF_SPIN_POLL) != 0;
+    int64_t interval = GF_POLL_MIN_NS;
     uint32_t spins = 0;
+    spin &= ~GF_SPIN_POLL;
     for (;;) {
         uint32_t seen = LOAD_ACQ(&ring->space_futex);
         uint64_t used = wpos - LOAD_ACQ(&ring->read_pos);
@@ -146,6 +168,10 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
+        if (poll) {
+            interval = poll_sleep(interval, deadline);
+            continue;
+        }
         STORE_RLX(&ring->producer_sleeping, 1);
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         used = wpos - LOAD_ACQ(&ring->read_pos);
@@ -175,7 +201,10 @@ int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint
                      int64_t timeout_ns, uint64_t *needed) {
     uint64_t rpos = LOAD_RLX(&ring->read_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
+    int poll = (spin & GF_SPIN_POLL) != 0;
+    int64_t interval = GF_POLL_MIN_NS;
     uint32_t spins = 0;
+    spin &= ~GF_SPIN_POLL;
     uint64_t avail;
     for (;;) {
         uint32_t seen = LOAD_ACQ(&ring->data_futex);
@@ -187,6 +216,10 @@ int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
+        if (poll) {
+            interval = poll_sleep(interval, deadline);
+            continue;
+        }
         STORE_RLX(&ring->consumer_sleeping, 1);
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         avail = LOAD_ACQ(&ring->write_pos) - rpos;

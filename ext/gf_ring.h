@@ -17,6 +17,11 @@
 #define GF_RECORD_MAGIC 0x52454331u /* "1CER": starts every record */
 #define GF_RECORD_HEADER 16u
 
+/* spin flag: poll with growing sleeps instead of futexes (peers under different kernels) */
+#define GF_SPIN_POLL 0x80000000u
+#define GF_POLL_MIN_NS 20000LL   /* first polling sleep: 20 us */
+#define GF_POLL_MAX_NS 2000000LL /* longest polling sleep: 2 ms */
+
 typedef struct gf_ring {
     /* producer-owned cache line */
     uint64_t write_pos;

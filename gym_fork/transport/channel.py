@@ -8,7 +8,7 @@ from gym_fork.errors import RingTimeout, TransportError
 
 from .codec import pack, unpack
 from .region import Region
-from .ring import Ring, ring_bytes
+from .ring import CONTROL_BYTES, Ring, ring_bytes
 
 DEFAULT_RING_BYTES = 1 << 20
 
@@ -19,6 +19,12 @@ WHOLE, MORE, LAST = 0, 1, 2
 FRAGMENT_TIMEOUT = 30.0
 
 
+def region_bytes(capacity: int) -> int:
+    """The power of two that holds both rings of ``capacity`` (a PCI BAR's size)."""
+    need = 2 * ring_bytes(capacity)
+    return 1 << (need - 1).bit_length()
+
+
 class Channel:
     """Requests flow controller -> worker, replies worker -> controller.
 
@@ -27,25 +33,65 @@ class Channel:
     ring, so both rings stay single-producer / single-consumer.
     """
 
-    def __init__(self, region: Region, capacity: int, *, controller: bool, create: bool, name: str):
+    def __init__(
+        self,
+        region: Region,
+        capacity: int,
+        *,
+        controller: bool,
+        create: bool,
+        name: str,
+        poll: bool = False,
+    ):
         self.region = region
         self.capacity = capacity
-        requests = Ring(region, 0, capacity, create=create, name=f"{name} requests")
+        self.poll = poll
+        requests = Ring(region, 0, capacity, create=create, name=f"{name} requests", poll=poll)
         replies = Ring(
-            region, ring_bytes(capacity), capacity, create=create, name=f"{name} replies"
+            region,
+            ring_bytes(capacity),
+            capacity,
+            create=create,
+            name=f"{name} replies",
+            poll=poll,
         )
         self.outbox, self.inbox = (requests, replies) if controller else (replies, requests)
         self.max_fragment = capacity // 4
 
     @classmethod
-    def create(cls, name: str, capacity: int = DEFAULT_RING_BYTES) -> Channel:
-        region = Region(2 * ring_bytes(capacity), name=f"gym_fork-{name}")
-        return cls(region, capacity, controller=True, create=True, name=name)
+    def create(
+        cls, name: str, capacity: int = DEFAULT_RING_BYTES, *, poll: bool = False
+    ) -> Channel:
+        """A new region with both rings; ``poll`` for a worker inside a VM (its region
+        is then sized to a power of two, as a PCI BAR must be)."""
+        size = region_bytes(capacity) if poll else 2 * ring_bytes(capacity)
+        region = Region(size, name=f"gym_fork-{name}")
+        return cls(region, capacity, controller=True, create=True, name=name, poll=poll)
 
     @classmethod
-    def attach(cls, fd: int, capacity: int, name: str) -> Channel:
-        region = Region.attach(fd, 2 * ring_bytes(capacity))
-        return cls(region, capacity, controller=False, create=False, name=name)
+    def attach(
+        cls, fd: int, capacity: int, name: str, *, poll: bool = False, offset: int = 0
+    ) -> Channel:
+        region = Region.attach(fd, 2 * ring_bytes(capacity), offset)
+        return cls(region, capacity, controller=False, create=False, name=name, poll=poll)
+
+    def positions(self) -> bytes:
+        """Both rings' control blocks (positions and sequence numbers), for a copy."""
+        second = ring_bytes(self.capacity)
+        view = self.region.map
+        return bytes(view[:CONTROL_BYTES]) + bytes(view[second : second + CONTROL_BYTES])
+
+    def set_positions(self, blocks: bytes) -> None:
+        """Continue where the channel that gave ``blocks`` stood (both rings drained).
+
+        A microVM clone resumes inside a ring read whose position the guest's CPU still
+        holds; its new channel must start from the same counters."""
+        if len(blocks) != 2 * CONTROL_BYTES:
+            raise ValueError(f"expected {2 * CONTROL_BYTES} bytes of control blocks")
+        second = ring_bytes(self.capacity)
+        view = self.region.map
+        view[:CONTROL_BYTES] = blocks[:CONTROL_BYTES]
+        view[second : second + CONTROL_BYTES] = blocks[CONTROL_BYTES:]
 
     def send(self, message: Any, timeout: float | None = None) -> None:
         """Encode ``message`` and append it to this side's outgoing ring."""

@@ -14,18 +14,22 @@ class Region:
     same bytes. The kernel frees the memory when the last fd and mapping are gone.
     """
 
-    def __init__(self, size: int, *, name: str = "gym_fork", fd: int | None = None) -> None:
+    def __init__(
+        self, size: int, *, name: str = "gym_fork", fd: int | None = None, offset: int = 0
+    ) -> None:
         self.size = size
         if fd is None:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
         self.fd = fd
-        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.map = mmap.mmap(
+            fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+        )
 
     @classmethod
-    def attach(cls, fd: int, size: int) -> Region:
-        """Map an existing region received as ``fd``."""
-        return cls(size, fd=fd)
+    def attach(cls, fd: int, size: int, offset: int = 0) -> Region:
+        """Map an existing region received as ``fd`` (from ``offset``: /dev/mem in a VM)."""
+        return cls(size, fd=fd, offset=offset)
 
     def forget_fd(self) -> None:
         """Close the fd but keep the mapping (once the region has been handed over)."""

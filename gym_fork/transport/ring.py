@@ -41,8 +41,9 @@ class Ring:
     """One direction of a channel: a single-producer, single-consumer record ring.
 
     ``create=True`` initialises the control block (done once, by the side that
-    allocates the region); the peer attaches with ``create=False``. ``name`` is
-    used in error messages, e.g. ``"worker 3 replies"``.
+    allocates the region); the peer attaches with ``create=False``. ``poll=True`` (both
+    ends) waits by polling with growing sleeps instead of futexes, for a peer inside a
+    VM. ``name`` is used in error messages, e.g. ``"worker 3 replies"``.
     """
 
     def __init__(
@@ -54,12 +55,14 @@ class Ring:
         create: bool,
         name: str,
         spin: int = DEFAULT_SPIN,
+        poll: bool = False,
     ) -> None:
         if offset + ring_bytes(capacity) > region.size:
             raise ValueError(f"ring {name!r} does not fit in its region")
         self.name = name
         self.capacity = capacity
-        self.spin = spin
+        # poll: the peer runs under another kernel (a VM), where no futex reaches it.
+        self.spin = spin | (lib.GF_SPIN_POLL if poll else 0)
         self._base = ffi.from_buffer(region.map)
         self._ring = ffi.cast("gf_ring *", self._base + offset)
         if create:

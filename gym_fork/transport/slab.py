@@ -265,7 +265,8 @@ class Slab:
             if region_fd is None:
                 region = Region(self.nbytes, name="gym_fork-slab")
             else:
-                if owner:
+                # Only ever grow: a VM may map the same memfd with a larger, fixed size.
+                if owner and os.fstat(region_fd).st_size < self.nbytes:
                     os.ftruncate(region_fd, self.nbytes)
                 region = Region.attach(region_fd, self.nbytes)
         self.region = region

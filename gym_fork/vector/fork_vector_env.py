@@ -110,6 +110,9 @@ class _WaitTimeout(Exception):
     pass
 
 
+HOSTS = ("process", "microvm")
+
+
 class ForkVectorEnv(VectorEnv):
     """Vectorized environment whose sub-envs run in forked, warm sandboxes.
 
@@ -152,6 +155,14 @@ class ForkVectorEnv(VectorEnv):
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
+        host: ``"process"`` (default: forked, namespaced processes) or ``"microvm"``:
+            every sandbox is a QEMU virtual machine with its own kernel, cloned
+            copy-on-write from a frozen warm parent VM (docs/microvm.md). Needs QEMU, a
+            guest kernel and a guest image (``gym-fork image build``).
+        vm_memory_mb: guest RAM of each microVM (default 256).
+        vm_slab_mb: size of the batch slab each microVM maps (default 16; a power of two
+            MiB). A vector env whose slab (observations, actions, rewards of all
+            sub-envs) needs more is refused with an error that says so.
     """
 
     def __init__(
@@ -178,6 +189,9 @@ class ForkVectorEnv(VectorEnv):
         private_tmp: bool = False,
         timeout: float | None = None,
         gpu_fork_policy: str = "refuse",
+        host: str = "process",
+        vm_memory_mb: int = 256,
+        vm_slab_mb: int = 16,
         _prepare: tuple | None = None,
     ) -> None:
         self.env_fns = env_fns
@@ -234,6 +248,11 @@ class ForkVectorEnv(VectorEnv):
                 f"gpu_fork_policy must be 'refuse' or 'clean', got {gpu_fork_policy!r}"
             )
         self.gpu_fork_policy = gpu_fork_policy
+        if host not in HOSTS:
+            raise ValueError(f"`host` must be one of {sorted(HOSTS)}, got {host!r}")
+        self.host_kind = host
+        self.vm_memory_mb = vm_memory_mb
+        self.vm_slab_mb = vm_slab_mb
         self.isolation_config = IsolationConfig(
             namespaces=namespaces,
             network=network,
@@ -298,13 +317,31 @@ class ForkVectorEnv(VectorEnv):
             **kwargs,
         )
 
-    def _start(self) -> None:
-        started = time.perf_counter()
-        self._host = ProcessHost(
-            self.env_fns[:1] if self._prepare else self.env_fns,
+    def _new_host(self, prepare_in_sandbox: bool = False):
+        """A warm parent of this vector env's host kind for its env_fns."""
+        env_fns = self.env_fns[:1] if self._prepare else self.env_fns
+        if self.host_kind == "microvm":
+            from gym_fork.hosts.microvm.host import MicroVMHost
+
+            return MicroVMHost(
+                env_fns,
+                prepare=self._prepare,
+                prepare_in_sandbox=prepare_in_sandbox,
+                isolation=self.isolation_config,
+                ring_capacity=self.ring_bytes,
+                memory_mb=self.vm_memory_mb,
+                slab_mb=self.vm_slab_mb,
+            )
+        return ProcessHost(
+            env_fns,
             prepare=self._prepare,
+            prepare_in_sandbox=prepare_in_sandbox,
             isolation=self.isolation_config,
         )
+
+    def _start(self) -> None:
+        started = time.perf_counter()
+        self._host = self._new_host()
         self._timings = {"parent_ready_s": time.perf_counter() - started}
         self._check_warm_parent_gpu()
         self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC)
@@ -372,6 +409,8 @@ class ForkVectorEnv(VectorEnv):
             owner=True,
         )
         self._slab_fd = -1  # owned by the slab's region now
+        if hasattr(self._host, "check_slab"):
+            self._host.check_slab(self._slab.nbytes)
         if self._obs_in_slab:
             self.observations = self._slab.observations.batch()
         else:
@@ -1077,7 +1116,10 @@ class ForkVectorEnv(VectorEnv):
 
     def _check_warm_parent_gpu(self) -> None:
         """Before cloning the warm parent: does it hold a CUDA context? (Checked once per
-        warm parent: it only forks after it is ready, so its state does not change.)"""
+        warm parent: it only forks after it is ready, so its state does not change.)
+        A microVM has no GPU: nothing to check."""
+        if self._host.kind != "process":
+            return
         evidence = cuda_evidence(self._host.pid, gpu_probe())
         if not evidence:
             return
@@ -1093,12 +1135,7 @@ class ForkVectorEnv(VectorEnv):
         # "clean": a warm parent that only imports; every sandbox builds (and warms) its
         # own env from the env_fn, i.e. a cold start that keeps the reset promise.
         tainted = self._host
-        self._host = ProcessHost(
-            self.env_fns[:1] if self._prepare else self.env_fns,
-            prepare=self._prepare,
-            prepare_in_sandbox=True,
-            isolation=self.isolation_config,
-        )
+        self._host = self._new_host(prepare_in_sandbox=True)
         tainted.release()
         self._clean_launch = {"reason": "warm parent holds CUDA", "evidence": evidence}
 
@@ -1109,11 +1146,7 @@ class ForkVectorEnv(VectorEnv):
         if self._host.alive():
             return None
         old = self._host
-        self._host = ProcessHost(
-            self.env_fns[:1] if self._prepare else self.env_fns,
-            prepare=self._prepare,
-            isolation=self.isolation_config,
-        )
+        self._host = self._new_host()
         self._replacement_attach = None
         if self._lineage is not None:
             self._lineage.tree.event(
@@ -1241,6 +1274,9 @@ class ForkVectorEnv(VectorEnv):
             "isolation_config",
             "timeout",
             "gpu_fork_policy",
+            "host_kind",
+            "vm_memory_mb",
+            "vm_slab_mb",
             "metadata",
             "render_mode",
             "single_action_space",
@@ -1311,11 +1347,20 @@ class ForkVectorEnv(VectorEnv):
             worker.info = self._receive(worker, _Deadline(None), P.HELLO)[2]
 
     def _fork_chunk(self, source, position, branch_indices, sources, seeds, branch_id):
-        """Ask one source worker to fork the clones for ``branch_indices``."""
+        """Ask one source worker (a process host) or the host (a VM) for the clones."""
         worker = source._workers[position]
         specs = [
             WorkerSpec(f"{branch_id} sub-env {j}", [j], [self._origins[j]]) for j in branch_indices
         ]
+        if self._host.kind == "microvm":
+            self._host.check_slab(self._slab.nbytes)
+            return self._host.fork(
+                worker,
+                [(spec, j, seeds[j]) for spec, j in zip(specs, branch_indices, strict=True)],
+                self.num_envs,
+                self._slab.region.fd,
+                self.ring_bytes,
+            )
         ends = [SandboxEnds(spec, self.ring_bytes, self._host.output) for spec in specs]
         fds = [self._slab.region.fd]
         for end in ends:

@@ -138,13 +138,7 @@ class Worker:
         self.attach_arg = dict(arg, observation_space=obs_space, action_space=act_space)
         mode = arg["observation_mode"]
         self.autoreset_mode = AutoresetMode(arg["autoreset_mode"])
-        self.slab = Slab(
-            obs_space,
-            act_space,
-            arg["num_envs"],
-            use_observations=arg["shared_memory"],
-            region_fd=self.slab_fd,
-        )
+        self.slab = self.open_slab(obs_space, act_space, arg["num_envs"], arg["shared_memory"])
         checks = []
         for slot in self.slots:
             env = slot.env
@@ -155,6 +149,16 @@ class Worker:
             )
             checks.append([bool(same_obs), bool(act_space == env.action_space)])
         return checks
+
+    def open_slab(self, obs_space, act_space, num_envs: int, use_observations: bool) -> Slab:
+        """Map the vector env's batch slab (from the fd the host handed over)."""
+        return Slab(
+            obs_space,
+            act_space,
+            num_envs,
+            use_observations=use_observations,
+            region_fd=self.slab_fd,
+        )
 
     # -- requests -------------------------------------------------------------------
     def _store_obs(self, slot: _SubEnvSlot, obs: Any, out: list[Any] | None, k: int) -> None:
@@ -410,6 +414,9 @@ class Worker:
                     result, errors = None, [_error_entry(self.indices[0], exc)]
             elif op == P.PING:
                 result, errors = os.getpid(), None
+            elif op == P.REBIND and hasattr(self, "rebind"):
+                self.rebind(arg)  # a restored microVM clone; it answers with a HELLO
+                continue
             elif op == P.FORK:
                 try:
                     result, errors = self.fork(arg)

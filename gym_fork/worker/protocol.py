@@ -15,6 +15,9 @@ SETATTR = 5
 CLOSE = 6
 PING = 7
 FORK = 8
+# A microVM clone learns its new identity (branch index, seed, slab) after a restore;
+# it answers with a HELLO record.
+REBIND = 9
 
 NAMES = {
     HELLO: "hello",
@@ -26,6 +29,7 @@ NAMES = {
     CLOSE: "close",
     PING: "ping",
     FORK: "fork",
+    REBIND: "rebind",
 }
 
 # Calls that must go through their own method, as AsyncVectorEnv refuses them too.

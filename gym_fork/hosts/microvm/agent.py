@@ -1,0 +1,158 @@
+"""The guest agent: the worker loop inside a microVM.
+
+Started by the guest's /init (``python -m gym_fork.hosts.microvm.agent``). It maps its
+channel and the batch slab (host memfds at fixed guest-physical addresses), receives the env_fns
+exactly as the process host's warm parent does (and prepares the same way: the code is
+shared), answers ``ready`` and waits. That wait is the branch point: the controller
+freezes the VM there and every clone resumes inside it, finds a ``become`` message in
+its own channel and turns into a worker. A clone of a running worker resumes inside
+the worker loop instead and gets a REBIND request with its new identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from gym_fork.hosts.process.parent import WarmParent, _pickled
+from gym_fork.transport.channel import Channel
+from gym_fork.transport.region import Region
+from gym_fork.transport.slab import Slab
+from gym_fork.worker import protocol as P
+from gym_fork.worker.loop import Worker, _reseed
+
+RNDRESEEDCRNG = 0x5207  # ioctl: make the kernel's RNG draw from its pool now
+
+
+def open_physical(address: int, size: int) -> Region:
+    """Map guest-physical memory the kernel does not use (the host's shared memfds)."""
+    fd = os.open("/dev/mem", os.O_RDWR | os.O_SYNC)
+    return Region.attach(fd, size, address)
+
+
+def _cmdline_value(key: str) -> str:
+    with open("/proc/cmdline") as f:
+        for item in f.read().split():
+            if item.startswith(key + "="):
+                return item.split("=", 1)[1]
+    raise RuntimeError(f"the kernel command line has no {key}=")
+
+
+def guest_report(generation: int) -> dict[str, Any]:
+    """What this guest is, as measured from inside it."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = f.read().strip()
+    interfaces = sorted(n for n in os.listdir("/sys/class/net") if n != "lo")
+    return {
+        "kernel": os.uname().release,
+        "boot_id": boot_id,
+        "hostname": os.uname().nodename,
+        "network_interfaces": interfaces,
+        "generation": generation,
+    }
+
+
+def refresh_clock(time_ns: int) -> None:
+    """A clone resumes with its parent's wall clock: take the controller's."""
+    with contextlib.suppress(OSError):
+        time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
+
+
+def reseed_kernel(seed: int) -> None:
+    """Give this clone's kernel RNG its own state (clones share the parent's)."""
+    with open("/dev/urandom", "wb", buffering=0) as f:
+        f.write(hashlib.sha256(f"gym_fork clone {seed}".encode()).digest())
+        fcntl.ioctl(f.fileno(), RNDRESEEDCRNG)
+
+
+class GuestWorker(Worker):
+    """The worker loop with the slab on an ivshmem BAR and a REBIND for clones."""
+
+    def __init__(self, channel: Channel, spec: dict[str, Any], make_env, generation: int):
+        super().__init__(
+            channel, -1, None, spec["indices"], spec["origins"], make_env, warm_parent=0
+        )
+        self.generation = generation
+        self.isolation = guest_report(generation)
+
+    def attach(self, arg: dict[str, Any]) -> list[Any]:
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+        return super().attach(arg)
+
+    def open_slab(self, obs_space, act_space, num_envs: int, use_observations: bool) -> Slab:
+        layout = Slab(obs_space, act_space, num_envs, use_observations=use_observations)
+        nbytes = layout.nbytes
+        layout.close()
+        address = int(_cmdline_value("gym_fork.slab"), 16)
+        return Slab(
+            obs_space,
+            act_space,
+            num_envs,
+            use_observations=use_observations,
+            region=open_physical(address, nbytes),
+        )
+
+    def rebind(self, arg: dict[str, Any]) -> None:
+        """Become the branch sub-env ``arg['index']`` (a restored clone of a worker)."""
+        refresh_clock(arg["time_ns"])
+        self.generation = arg["generation"]
+        self.isolation = guest_report(self.generation)
+        slot = self.slots[0]
+        slot.index = arg["index"]
+        self.indices = [arg["index"]]
+        if arg.get("seed") is not None:
+            _reseed(slot.env, arg["seed"])
+            reseed_kernel(arg["seed"])
+        self.attach(dict(self.attach_arg, num_envs=arg["num_envs"]))
+        self.channel.send([P.HELLO, 0, self._identity(), None])
+
+
+def main() -> None:
+    capacity = int(_cmdline_value("gym_fork.ring_capacity"))
+    fd = os.open("/dev/mem", os.O_RDWR | os.O_SYNC)
+    address = int(_cmdline_value("gym_fork.channel"), 16)
+    channel = Channel.attach(fd, capacity, "guest", poll=True, offset=address)
+    parent = WarmParent(None)
+    message = channel.recv()
+    try:
+        parent.prepare(message)
+    except Exception as exc:
+        channel.send(
+            {
+                "op": "error",
+                "error": f"{type(exc).__name__}: {exc}",
+                "exception": _pickled(exc),
+                "traceback": traceback.format_exc(),
+            }
+        )
+        return
+    channel.send(
+        {
+            "op": "ready",
+            "prepare_seconds": parent.prepare_seconds,
+            "isolation": guest_report(0),
+        }
+    )
+    # The branch point: the controller freezes this VM while it waits here.
+    order = channel.recv()
+    refresh_clock(order["time_ns"])
+    worker = GuestWorker(channel, order, parent.make_env, order["generation"])
+    if worker.hello(parent._attach_arg(order.get("attach"))):
+        worker.run()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)

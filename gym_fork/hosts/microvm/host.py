@@ -1,0 +1,511 @@
+"""Controller side of the microVM host: one frozen parent VM, clones restored from it.
+
+The warm parent is a guest booted from the image (:mod:`.image`) whose agent prepares
+the env_fns exactly as the process host's warm parent does, then waits. The host
+freezes it there: its RAM stays in a memfd (``share=on``: the guest wrote straight into
+it) and its device state is saved with ``x-ignore-shared`` (a few hundred KB). Every
+sandbox is then a QEMU that maps that memfd ``share=off`` (copy-on-write), loads the
+device state and resumes inside the agent's wait, where its own channel tells it what
+to become. A live ``fork()`` of a running sandbox first copies the sandbox's private RAM
+into a new memfd (a migration into a paused helper QEMU), which becomes the branch
+point of the clones; the source resumes unchanged.
+
+What is shared and what is private, per clone:
+- shared, read-only: the image file (virtio-blk, ``readonly=on``), the kernel, the
+  initramfs; the branch point's RAM until the clone writes a page (then that page is
+  the clone's own).
+- private: every RAM page the clone writes (its processes, page cache and the tmpfs
+  that is its writable disk layer: overlay upper dir, ``/tmp``), its device state, its
+  channel region.
+- shared with the controller (and sibling sandboxes of one vector env): the batch slab,
+  where each sandbox writes only its own rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.microvm.accel import choose_accel
+from gym_fork.hosts.microvm.image import GuestImage, build_image
+from gym_fork.hosts.microvm.machine import (
+    Machine,
+    MachineConfig,
+    MachineError,
+    controller_is_main_thread,
+    new_memfd,
+)
+from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec
+from gym_fork.hosts.process.output import OutputCollector
+from gym_fork.system.isolation import IsolationConfig
+from gym_fork.system.linux import ProcessWatch
+from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel, region_bytes
+from gym_fork.worker import protocol as P
+
+DEFAULT_MEMORY_MB = 256
+# The slab device has one size for every VM of a host (device layouts must match for a
+# restore). A live fork reads all of it (the migration scans every page), so it is
+# sized for typical batches rather than for the largest; vm_slab_mb raises it.
+DEFAULT_SLAB_MB = 16
+BOOT_TIMEOUT_S = 600.0  # TCG boots and imports numpy/gymnasium in ~10 s; keep a margin
+
+_EXIT_LINE = re.compile(r"gym_fork-guest-exit (\d+)")
+
+
+@dataclass
+class VMWorkerHandle(WorkerHandle):
+    """A worker sandbox that is a VM: ``pid`` is its QEMU process."""
+
+    machine: Machine | None = None
+
+    def release(self) -> None:
+        if self.machine is not None:
+            self.machine.kill()
+        super().release()
+
+
+@dataclass
+class BranchPoint:
+    """A frozen VM: its RAM memfd, its saved device state, its channel's counters."""
+
+    ram_fd: int
+    state_fd: int
+    positions: bytes
+    created: float = field(default_factory=time.perf_counter)
+
+    def state_reader(self) -> int:
+        """A fresh read-only fd on the state (its own file offset)."""
+        return os.open(f"/proc/self/fd/{self.state_fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        for fd in (self.ram_fd, self.state_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.ram_fd = self.state_fd = -1
+
+
+class MicroVMHost:
+    """Boots the warm parent VM once, freezes it, and restores clones of it."""
+
+    kind = "microvm"
+
+    def __init__(
+        self,
+        env_fns,
+        *,
+        prepare: tuple | None = None,
+        prepare_in_sandbox: bool = False,
+        isolation: IsolationConfig | None = None,
+        start_timeout: float | None = None,
+        echo_output: bool = True,
+        ring_capacity: int = DEFAULT_RING_BYTES,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        slab_mb: int = DEFAULT_SLAB_MB,
+        image: GuestImage | None = None,
+    ) -> None:
+        self.isolation_config = isolation or IsolationConfig()
+        if self.isolation_config.network:
+            raise ValueError(
+                "host='microvm' has no guest network (the VMs get no NIC): network=True "
+                "is not available"
+            )
+        self.output = OutputCollector(echo=echo_output)
+        self._lock = threading.Lock()
+        self._users = 1
+        self._machines: dict[int, Machine] = {}
+        self._generation = 0
+        self.template: BranchPoint | None = None
+        self.pid = -1
+        try:
+            self.image = image or build_image()
+        except Exception as exc:
+            self.output.close()
+            raise SandboxStartError(f"host='microvm': no guest image: {exc}") from exc
+        self.accel, self.accel_reason = choose_accel(self.image)
+        self.config = MachineConfig(
+            self.image,
+            self.accel,
+            memory_mb,
+            region_bytes(ring_capacity),
+            slab_mb << 20,
+            ring_capacity,
+        )
+        self._die_with_controller = controller_is_main_thread()
+        try:
+            self._boot_parent(env_fns, prepare, prepare_in_sandbox, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the warm parent --------------------------------------------------------------
+    def _boot_parent(self, env_fns, prepare, prepare_in_sandbox, start_timeout) -> None:
+        from gymnasium.envs.registration import registry
+
+        try:
+            payload = cloudpickle.dumps(list(env_fns))
+        except Exception as exc:
+            raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
+        started = time.perf_counter()
+        ram_fd = new_memfd("gym_fork-vm-ram", self.config.memory_mb << 20)
+        state_fd = os.memfd_create("gym_fork-vm-state", os.MFD_CLOEXEC)
+        self.template = BranchPoint(ram_fd, state_fd, b"")
+        channel = Channel.create("warm parent VM", self.config.ring_capacity, poll=True)
+        slab_fd = new_memfd("gym_fork-vm-no-slab", self.config.slab_bytes)
+        (out_r, out_w), (err_r, err_w) = self.output.new_pipes()
+        try:
+            machine = Machine(
+                self.config,
+                ram_fd=ram_fd,
+                shared_ram=True,
+                channel_fd=channel.region.fd,
+                slab_fd=slab_fd,
+                out_fd=out_w,
+                err_fd=err_w,
+                incoming=False,
+                name="gym_fork-parent",
+                die_with_controller=self._die_with_controller,
+            )
+        finally:
+            for fd in (slab_fd, out_w, err_w):
+                os.close(fd)
+        self.output.watch("parent", out_r, err_r)
+        self.pid = machine.pid
+        try:
+            channel.send(
+                {
+                    "op": "init",
+                    "env_fns": payload,
+                    "sys_path": list(__import__("sys").path),
+                    "cwd": os.getcwd(),
+                    "registry": cloudpickle.dumps(dict(registry)),
+                    "prepare": None if prepare is None else cloudpickle.dumps(prepare),
+                    "prepare_in_sandbox": prepare_in_sandbox,
+                }
+            )
+            reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
+            self.boot_seconds = time.perf_counter() - started
+            self.prepare_seconds = reply.get("prepare_seconds", 0.0)
+            self.guest = reply.get("isolation", {})
+            saving = time.perf_counter()
+            machine.save(state_fd)
+            self.save_seconds = time.perf_counter() - saving
+            self.state_bytes = os.fstat(state_fd).st_size
+            self.template.positions = channel.positions()
+        finally:
+            machine.kill()
+            channel.close()
+            self.output.forget("parent")
+
+    def _await_parent(self, channel: Channel, machine: Machine, timeout: float) -> dict:
+        from gym_fork.errors import RingTimeout
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = channel.recv(0.2)
+                break
+            except RingTimeout:
+                if not machine.alive():
+                    raise SandboxStartError(
+                        "the warm parent VM exited before it was ready; its output:\n"
+                        + self.output.tail("parent", "stderr")[-4000:]
+                        + machine.log()
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise SandboxStartError(
+                        f"the warm parent VM was not ready within {timeout} s ({self.accel})"
+                    ) from None
+        if reply.get("op") == "ready":
+            return reply
+        original = reply.get("exception")
+        exc = None
+        if original is not None:
+            with contextlib.suppress(Exception):
+                exc = cloudpickle.loads(original)
+        if isinstance(exc, BaseException):
+            exc.add_note(
+                "[gym_fork] raised while preparing the warm parent VM; its traceback:\n"
+                + reply.get("traceback", "")
+            )
+            raise exc
+        raise SandboxStartError(
+            f"the warm parent VM could not prepare the env_fns: {reply.get('error')}\n"
+            f"{reply.get('traceback', '')}"
+        )
+
+    # -- clones ---------------------------------------------------------------------
+    def _next_generation(self) -> int:
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
+    def _restore_clones(
+        self, point: BranchPoint, slab_fd: int, orders: list[tuple[WorkerSpec, dict]]
+    ) -> list[VMWorkerHandle]:
+        """Start one QEMU per order on ``point``; each finds its order in its channel."""
+        if os.fstat(slab_fd).st_size < self.config.slab_bytes:
+            os.ftruncate(slab_fd, self.config.slab_bytes)  # sparse: costs nothing unused
+        started: list[tuple[VMWorkerHandle, Machine]] = []
+        try:
+            for spec, order in orders:
+                channel = Channel.create(spec.name, self.config.ring_capacity, poll=True)
+                channel.set_positions(point.positions)
+                channel.send(order)
+                (out_r, out_w), (err_r, err_w) = self.output.new_pipes()
+                try:
+                    machine = Machine(
+                        self.config,
+                        ram_fd=point.ram_fd,
+                        shared_ram=False,
+                        channel_fd=channel.region.fd,
+                        slab_fd=slab_fd,
+                        out_fd=out_w,
+                        err_fd=err_w,
+                        incoming=True,
+                        name=f"gym_fork-{spec.name}".replace(" ", "-"),
+                        die_with_controller=self._die_with_controller,
+                    )
+                except BaseException:
+                    channel.close()
+                    os.close(out_r)
+                    os.close(err_r)
+                    raise
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                self.output.watch(str(machine.pid), out_r, err_r)
+                handle = VMWorkerHandle(
+                    spec.name,
+                    list(spec.indices),
+                    channel,
+                    machine.pid,
+                    ProcessWatch(machine.pid),
+                    None,
+                    list(spec.origins),
+                    output=self.output,
+                    machine=machine,
+                )
+                self._machines[machine.pid] = machine
+                started.append((handle, machine))
+            for _handle, machine in started:
+                reader = point.state_reader()
+                try:
+                    machine.restore(reader)
+                finally:
+                    os.close(reader)
+        except BaseException:
+            for handle, _machine in started:
+                handle.release()
+            raise
+        return [handle for handle, _ in started]
+
+    def spawn(
+        self,
+        specs: list[WorkerSpec],
+        slab_fd: int,
+        ring_capacity: int,
+        attach: bytes | None = None,
+    ) -> list[WorkerHandle]:
+        """One clone of the frozen warm parent per spec; each builds its sub-envs."""
+        self._check_capacity(ring_capacity)
+        orders = [
+            (
+                spec,
+                {
+                    "op": "become",
+                    "name": spec.name,
+                    "indices": spec.indices,
+                    "origins": spec.origins,
+                    "attach": attach,
+                    "generation": self._next_generation(),
+                    "time_ns": time.time_ns(),
+                },
+            )
+            for spec in specs
+        ]
+        try:
+            return self._restore_clones(self.template, slab_fd, orders)
+        except (MachineError, OSError) as exc:
+            raise SandboxStartError(f"spawn {specs[0].name}: {exc}") from exc
+
+    def fork(
+        self,
+        source: WorkerHandle,
+        clones: list[tuple[WorkerSpec, int, int | None]],
+        num_envs: int,
+        slab_fd: int,
+        ring_capacity: int,
+    ) -> list[WorkerHandle]:
+        """Clone the running sandbox ``source`` (idle: no request in flight).
+
+        ``clones`` lists ``(spec, branch_index, seed)``. The source's private RAM is
+        copied once into a new frozen branch point; the source then resumes.
+        """
+        self._check_capacity(ring_capacity)
+        machine = source.machine
+        if machine is None or not machine.alive():
+            raise SandboxStartError(f"fork: the VM of {source.name} is not running")
+        point = self._freeze_copy(machine, source.channel)
+        try:
+            orders = [
+                (
+                    spec,
+                    [
+                        P.REBIND,
+                        0,
+                        {
+                            "index": branch_index,
+                            "seed": seed,
+                            "num_envs": num_envs,
+                            "generation": self._next_generation(),
+                            "time_ns": time.time_ns(),
+                        },
+                    ],
+                )
+                for spec, branch_index, seed in clones
+            ]
+            return self._restore_clones(point, slab_fd, orders)
+        except (MachineError, OSError) as exc:
+            raise SandboxStartError(f"fork of {source.name}: {exc}") from exc
+        finally:
+            point.close()  # the clones hold their own mappings of its RAM
+
+    def _freeze_copy(self, machine: Machine, channel: Channel) -> BranchPoint:
+        """A branch point holding ``machine``'s current RAM and state; it resumes after."""
+        import socket
+
+        ram_fd = new_memfd("gym_fork-vm-branch-ram", self.config.memory_mb << 20)
+        state_fd = os.memfd_create("gym_fork-vm-branch-state", os.MFD_CLOEXEC)
+        dummy_channel = new_memfd("gym_fork-vm-helper", self.config.channel_bytes)
+        dummy_slab = new_memfd("gym_fork-vm-helper", self.config.slab_bytes)
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        helper = None
+        sending, receiving = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        point = BranchPoint(ram_fd, state_fd, b"")
+        try:
+            helper = Machine(
+                self.config,
+                ram_fd=ram_fd,
+                shared_ram=True,
+                channel_fd=dummy_channel,
+                slab_fd=dummy_slab,
+                out_fd=devnull,
+                err_fd=devnull,
+                incoming=True,
+                paused=True,
+                name="gym_fork-branch-point",
+                die_with_controller=self._die_with_controller,
+            )
+            machine.stop()
+            point.positions = channel.positions()
+            # All of the source's memory moves (its RAM is private, so x-ignore-shared
+            # would skip nothing; and on the helper it would refuse RAM for a shared
+            # block). The helper's channel and slab are throw-away copies.
+            helper._ignore_shared(False)
+            helper.command("getfd", {"fdname": "gf-in-ram"}, fds=(receiving.fileno(),))
+            helper.command("migrate-incoming", {"uri": "fd:gf-in-ram"})
+            machine._ignore_shared(False)
+            machine.command("getfd", {"fdname": "gf-out-ram"}, fds=(sending.fileno(),))
+            machine.command("migrate", {"uri": "fd:gf-out-ram"})
+            machine._wait_migration("copying the RAM of a running VM")
+            helper._wait_migration("receiving the RAM of a running VM")
+            helper.save(state_fd)
+        except BaseException:
+            point.close()
+            raise
+        finally:
+            sending.close()
+            receiving.close()
+            for fd in (dummy_channel, dummy_slab, devnull):
+                os.close(fd)
+            if helper is not None:
+                helper.kill()
+            if machine.alive():
+                with contextlib.suppress(Exception):
+                    machine.cont()
+        return point
+
+    def _check_capacity(self, ring_capacity: int) -> None:
+        if ring_capacity != self.config.ring_capacity:
+            raise ValueError(
+                f"this microVM host was built for rings of {self.config.ring_capacity} "
+                f"bytes, not {ring_capacity}"
+            )
+
+    def check_slab(self, nbytes: int) -> None:
+        """A vector env's slab must fit the slab BAR every VM of this host has."""
+        if nbytes > self.config.slab_bytes:
+            raise ValueError(
+                f"the batch slab needs {nbytes} bytes; the sandboxes of this microVM host "
+                f"map {self.config.slab_bytes}: pass a larger vm_slab_mb"
+            )
+
+    # -- health, status, isolation --------------------------------------------------
+    def alive(self) -> bool:
+        """The frozen parent exists as long as this host is open."""
+        return self.template is not None and self.template.ram_fd >= 0
+
+    def acquire(self) -> MicroVMHost:
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self.close()
+
+    def exit_code(self, pid: int) -> int | None:
+        """The guest worker's exit status if it reported one, else QEMU's."""
+        tail = self.output.tail(str(pid), "stderr") if self.output is not None else ""
+        found = _EXIT_LINE.findall(tail)
+        if found:
+            return int(found[-1])
+        machine = self._machines.get(pid)
+        if machine is None:
+            return None
+        return machine.process.poll()
+
+    def isolation(self, sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What separates sandboxes here, measured inside a guest (its HELLO report)."""
+        guest = (sandbox or {}) or self.guest
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            host_boot_id = f.read().strip()
+        own_kernel = bool(guest) and guest.get("boot_id") != host_boot_id
+        interfaces = guest.get("network_interfaces", [])
+        return {
+            "host": self.kind,
+            "accelerator": self.accel,
+            "accelerator_reason": self.accel_reason,
+            "process": True,
+            "kernel": "own" if own_kernel else "unknown",
+            "guest_kernel": guest.get("kernel"),
+            "address_space": "copy-on-write guest RAM (MAP_PRIVATE over the branch point)",
+            "disk": "read-only image, private tmpfs overlay in guest RAM",
+            "network": "off" if not interfaces else f"interfaces {interfaces}",
+            "namespaces": {"mount": False, "ipc": False, "uts": False, "net": False, "pid": False},
+            "private_tmp": True,
+            "no_new_privs": False,
+            "limits": {"memory_mb": self.config.memory_mb, "vcpus": 1},
+            "image": self.image.digest,
+            "missing": {} if own_kernel else {"kernel": "the guest did not report its kernel"},
+        }
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Kill every VM this host started and drop the branch point."""
+        for machine in list(self._machines.values()):
+            machine.kill()
+        self._machines.clear()
+        if self.template is not None:
+            self.template.close()
+            self.template = None
+        if self.output is not None:
+            self.output.close()
+            self.output = None

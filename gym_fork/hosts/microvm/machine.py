@@ -1,0 +1,283 @@
+"""One QEMU process: a guest booted from the image, or restored from a frozen one.
+
+Every piece of guest memory is a memfd that the controller made and QEMU maps through
+``/proc/self/fd/N``: guest RAM (``share=on`` for a VM that will be a branch point,
+``share=off`` — a private, copy-on-write mapping — for a clone), the channel region and
+the batch slab (two ``pc-dimm`` devices at fixed addresses, always shared). Nothing is written to
+``/dev/shm`` or disk, so nothing outlives the processes that hold the fds. Device state
+moves through ``fd:`` migrations with ``x-ignore-shared``: shared RAM is not copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from gym_fork.hosts.microvm.image import GuestImage
+from gym_fork.hosts.microvm.qmp import QMP, QMPError
+from gym_fork.system import linux
+
+# Guest-physical addresses of the channel and slab memory. They are pc-dimm devices at
+# fixed addresses (not ivshmem PCI BARs: a BAR gets its address only when the guest
+# programs it, and QEMU's x-ignore-shared restore insists that a shared block sits at
+# the same address before the device state is loaded). The guest kernel is told not to
+# use them as RAM (acpi_no_memhotplug) and the agent maps them through /dev/mem.
+DEVICE_MEMORY_BASE = 1 << 32
+
+
+class MachineError(RuntimeError):
+    """QEMU could not start, save or restore a guest."""
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """What every VM of one host shares: identical devices, so state moves between them."""
+
+    image: GuestImage
+    accel: str  # "kvm" or "tcg"
+    memory_mb: int
+    channel_bytes: int  # size of the channel BAR (a power of two)
+    slab_bytes: int  # size of the slab BAR (a power of two)
+    ring_capacity: int
+
+    @property
+    def channel_address(self) -> int:
+        return DEVICE_MEMORY_BASE
+
+    @property
+    def slab_address(self) -> int:
+        return DEVICE_MEMORY_BASE + self.channel_bytes
+
+    def kernel_cmdline(self) -> str:
+        return (
+            "console=ttyS1 quiet loglevel=3 panic=-1 mitigations=off acpi_no_memhotplug "
+            f"gym_fork.ring_capacity={self.ring_capacity} "
+            f"gym_fork.channel={self.channel_address:#x} gym_fork.slab={self.slab_address:#x}"
+        )
+
+
+def qemu_binary() -> str | None:
+    return shutil.which("qemu-system-x86_64")
+
+
+def new_memfd(name: str, size: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+class Machine:
+    """A QEMU process and its QMP session.
+
+    ``ram_fd`` is the guest RAM; ``shared_ram`` maps it MAP_SHARED (the VM's writes land
+    in the memfd) or MAP_PRIVATE (copy-on-write over it). ``incoming`` starts the VM
+    waiting for :meth:`restore`; ``paused`` keeps it stopped after a restore.
+    """
+
+    def __init__(
+        self,
+        config: MachineConfig,
+        *,
+        ram_fd: int,
+        shared_ram: bool,
+        channel_fd: int,
+        slab_fd: int,
+        out_fd: int,
+        err_fd: int,
+        incoming: bool,
+        paused: bool = False,
+        name: str = "gym_fork",
+        die_with_controller: bool = True,
+    ) -> None:
+        binary = qemu_binary()
+        if binary is None:
+            raise MachineError("QEMU is not installed: apt-get install qemu-system-x86")
+        self.config = config
+        self.name = name
+        image = config.image
+        qmp_ours, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = (ram_fd, channel_fd, slab_fd, out_fd, err_fd, qmp_theirs.fileno())
+        share = "on" if shared_ram else "off"
+        args = [
+            binary,
+            "-name",
+            name,
+            "-machine",
+            "q35,memory-backend=gf-ram",
+            "-accel",
+            config.accel,
+            "-cpu",
+            "host" if config.accel == "kvm" else "max",
+            "-m",
+            f"{config.memory_mb}M,slots=2,"
+            f"maxmem={(config.memory_mb << 20) + config.channel_bytes + config.slab_bytes}",
+            "-smp",
+            "1",
+            "-nodefaults",
+            "-no-user-config",
+            "-no-reboot",
+            "-display",
+            "none",
+            "-nic",
+            "none",
+            # SeaBIOS would print its banner on the first serial port (the guest's stdout)
+            "-fw_cfg",
+            "name=etc/sercon-port,string=0",
+            "-object",
+            f"memory-backend-file,id=gf-ram,size={config.memory_mb}M,"
+            f"mem-path=/proc/self/fd/{ram_fd},share={share}",
+            "-kernel",
+            str(image.kernel.vmlinuz),
+            "-initrd",
+            str(image.initramfs),
+            "-append",
+            config.kernel_cmdline(),
+            "-drive",
+            f"file={image.root},format=raw,readonly=on,if=virtio",
+            "-object",
+            f"memory-backend-file,id=gf-channel,size={config.channel_bytes},"
+            f"mem-path=/proc/self/fd/{channel_fd},share=on",
+            "-device",
+            f"pc-dimm,id=gf-channel-dimm,memdev=gf-channel,addr={config.channel_address:#x}",
+            "-object",
+            f"memory-backend-file,id=gf-slab,size={config.slab_bytes},"
+            f"mem-path=/proc/self/fd/{slab_fd},share=on",
+            "-device",
+            f"pc-dimm,id=gf-slab-dimm,memdev=gf-slab,addr={config.slab_address:#x}",
+            "-chardev",
+            f"file,id=gf-out,path=/proc/self/fd/{out_fd}",
+            "-serial",
+            "chardev:gf-out",
+            "-chardev",
+            f"file,id=gf-err,path=/proc/self/fd/{err_fd}",
+            "-serial",
+            "chardev:gf-err",
+            "-chardev",
+            f"socket,id=gf-qmp,fd={qmp_theirs.fileno()}",
+            "-mon",
+            "chardev=gf-qmp,mode=control",
+        ]
+        if incoming:
+            args += ["-incoming", "defer"]
+        if paused:
+            args.append("-S")
+        preexec = _die_with_controller if die_with_controller else None
+        # QEMU's own messages, kept apart from the guest's output and shown on failure.
+        self.log_fd = os.memfd_create(f"{name}-qemu-log", os.MFD_CLOEXEC)
+        try:
+            self.process = subprocess.Popen(
+                args,
+                pass_fds=fds,
+                stdin=subprocess.DEVNULL,
+                stdout=self.log_fd,
+                stderr=self.log_fd,
+                preexec_fn=preexec,
+            )
+        except BaseException:
+            qmp_ours.close()
+            os.close(self.log_fd)
+            raise
+        finally:
+            qmp_theirs.close()
+        self.pid = self.process.pid
+        try:
+            self.qmp = QMP(qmp_ours)
+        except (QMPError, OSError) as exc:
+            qmp_ours.close()
+            time.sleep(0.05)
+            log = self.log()
+            self.kill()
+            raise MachineError(f"{name}: QEMU did not start: {exc}\n{log}") from exc
+
+    # -- migration ------------------------------------------------------------------
+    def command(self, name: str, arguments: dict | None = None, fds: tuple[int, ...] = ()):
+        """A QMP command; failures carry what QEMU printed."""
+        try:
+            return self.qmp.command(name, arguments, fds)
+        except (QMPError, OSError) as exc:
+            time.sleep(0.05)  # let a dying QEMU finish its last words
+            raise MachineError(f"{self.name}: {exc}\n{self.log()}".rstrip()) from exc
+
+    def _ignore_shared(self, state: bool = True) -> None:
+        self.command(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": state}]},
+        )
+
+    def _wait_migration(self, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.command("query-migrate").get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                info = self.command("query-migrate")
+                raise MachineError(
+                    f"{self.name}: {what} {status}: {info.get('error-desc')}\n{self.log()}"
+                )
+            if time.monotonic() > deadline:
+                raise MachineError(f"{self.name}: {what} did not finish within {timeout} s")
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self.command("stop")
+
+    def cont(self) -> None:
+        self.command("cont")
+
+    def save(self, fd: int) -> None:
+        """Stop the guest and write its state to ``fd`` (shared RAM is skipped)."""
+        self.stop()
+        self._ignore_shared()
+        self.command("getfd", {"fdname": "gf-out-state"}, fds=(fd,))
+        self.command("migrate", {"uri": "fd:gf-out-state"})
+        self._wait_migration("saving the state")
+
+    def restore(self, fd: int) -> None:
+        """Load a state saved by :meth:`save` (started with ``incoming``) and run."""
+        self._ignore_shared()
+        self.command("getfd", {"fdname": "gf-in-state"}, fds=(fd,))
+        self.command("migrate-incoming", {"uri": "fd:gf-in-state"})
+        self._wait_migration("restoring the state")
+        if self.command("query-status")["status"] != "running":
+            self.cont()
+
+    # -- lifetime -------------------------------------------------------------------
+    def log(self) -> str:
+        """What QEMU itself printed (not the guest), without its routine warnings."""
+        if self.log_fd < 0:
+            return ""
+        data = os.pread(self.log_fd, 1 << 16, 0).decode(errors="replace")
+        lines = [line for line in data.splitlines() if "fw_cfg item names" not in line]
+        return "\n".join(lines)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        qmp = getattr(self, "qmp", None)
+        if qmp is not None:
+            qmp.close()
+            self.qmp = None
+        if self.log_fd >= 0:
+            os.close(self.log_fd)
+            self.log_fd = -1
+
+
+def _die_with_controller() -> None:
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def controller_is_main_thread() -> bool:
+    """PDEATHSIG follows the creating thread: only tie VMs to a main-thread controller."""
+    return threading.current_thread() is threading.main_thread()
