@@ -120,6 +120,9 @@ def main() -> None:
     fd = os.open("/dev/mem", os.O_RDWR | os.O_SYNC)
     address = int(_cmdline_value("gym_fork.channel"), 16)
     channel = Channel.attach(fd, capacity, "guest", poll=True, offset=address)
+    channel.send({"op": "booted"})
+    # First branch point: booted, imports done. The controller freezes the VM here once
+    # per image and restores a copy of it for every warm parent it needs.
     parent = WarmParent(None)
     message = channel.recv()
     try:

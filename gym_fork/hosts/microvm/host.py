@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,107 @@ class BranchPoint:
         self.ram_fd = self.state_fd = -1
 
 
+def copy_data(source: int, target: int) -> None:
+    """Copy a memfd's data extents (skipping holes: untouched guest pages stay unallocated)."""
+    size = os.fstat(source).st_size
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(source, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data after offset
+            return
+        end = os.lseek(source, start, os.SEEK_HOLE)
+        done = start
+        while done < end:
+            done += os.copy_file_range(source, target, end - done, done, done)
+        offset = end
+
+
+_BOOT_LOCK = threading.Lock()
+_BOOT_TEMPLATES: dict[MachineConfig, BranchPoint] = {}
+
+
+def boot_template(config: MachineConfig, timeout: float) -> tuple[BranchPoint, float]:
+    """The frozen, freshly booted guest for ``config`` (kernel up, agent imported and
+    waiting for its env_fns), booted once per controller process; and the seconds this
+    call spent booting it (0 when it was there already). Its memfds are named
+    ``gym_fork-vm-boot-*`` and live until :func:`release_boot_templates`."""
+    with _BOOT_LOCK:
+        point = _BOOT_TEMPLATES.get(config)
+        if point is not None and point.ram_fd >= 0:
+            return point, 0.0
+        started = time.perf_counter()
+        point = _boot(config, timeout)
+        _BOOT_TEMPLATES[config] = point
+        return point, time.perf_counter() - started
+
+
+def release_boot_templates() -> None:
+    """Free the boot templates of this process (the next microVM host boots again)."""
+    with _BOOT_LOCK:
+        for point in _BOOT_TEMPLATES.values():
+            point.close()
+        _BOOT_TEMPLATES.clear()
+
+
+def _boot(config: MachineConfig, timeout: float) -> BranchPoint:
+    from gym_fork.errors import RingTimeout
+
+    ram_fd = new_memfd("gym_fork-vm-boot-ram", config.memory_mb << 20)
+    state_fd = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
+    point = BranchPoint(ram_fd, state_fd, b"")
+    channel = Channel.create("booting VM", config.ring_capacity, poll=True)
+    slab_fd = new_memfd("gym_fork-vm-no-slab", config.slab_bytes)
+    output = OutputCollector(echo=False)
+    (out_r, out_w), (err_r, err_w) = output.new_pipes()
+    machine = None
+    try:
+        try:
+            machine = Machine(
+                config,
+                ram_fd=ram_fd,
+                shared_ram=True,
+                channel_fd=channel.region.fd,
+                slab_fd=slab_fd,
+                out_fd=out_w,
+                err_fd=err_w,
+                incoming=False,
+                name="gym_fork-boot",
+            )
+        finally:
+            for fd in (slab_fd, out_w, err_w):
+                os.close(fd)
+        output.watch("boot", out_r, err_r)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                message = channel.recv(0.2)
+                break
+            except RingTimeout:
+                if not machine.alive() or time.monotonic() > deadline:
+                    why = "exited" if not machine.alive() else f"took over {timeout} s"
+                    raise SandboxStartError(
+                        f"the guest ({config.accel}) {why} before its agent started; "
+                        "its output:\n"
+                        + output.tail("boot", "stderr")[-4000:]
+                        + output.tail("boot", "stdout")[-2000:]
+                        + machine.log()
+                    ) from None
+        if message.get("op") != "booted":
+            raise SandboxStartError(f"the guest agent said {message!r:.200} instead of booted")
+        machine.save(state_fd)
+        point.positions = channel.positions()
+    except BaseException:
+        point.close()
+        raise
+    finally:
+        if machine is not None:
+            machine.kill()
+        channel.close()
+        output.close()
+    return point
+
+
 class MicroVMHost:
     """Boots the warm parent VM once, freezes it, and restores clones of it."""
 
@@ -154,10 +256,25 @@ class MicroVMHost:
         except Exception as exc:
             raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
         started = time.perf_counter()
+        boot, self.boot_seconds = boot_template(self.config, start_timeout or BOOT_TIMEOUT_S)
+        restoring = time.perf_counter()
         ram_fd = new_memfd("gym_fork-vm-ram", self.config.memory_mb << 20)
         state_fd = os.memfd_create("gym_fork-vm-state", os.MFD_CLOEXEC)
         self.template = BranchPoint(ram_fd, state_fd, b"")
+        copy_data(boot.ram_fd, ram_fd)  # the parent writes its own RAM: not the boot image's
         channel = Channel.create("warm parent VM", self.config.ring_capacity, poll=True)
+        channel.set_positions(boot.positions)
+        channel.send(
+            {
+                "op": "init",
+                "env_fns": payload,
+                "sys_path": list(sys.path),
+                "cwd": os.getcwd(),
+                "registry": cloudpickle.dumps(dict(registry)),
+                "prepare": None if prepare is None else cloudpickle.dumps(prepare),
+                "prepare_in_sandbox": prepare_in_sandbox,
+            }
+        )
         slab_fd = new_memfd("gym_fork-vm-no-slab", self.config.slab_bytes)
         (out_r, out_w), (err_r, err_w) = self.output.new_pipes()
         try:
@@ -169,7 +286,7 @@ class MicroVMHost:
                 slab_fd=slab_fd,
                 out_fd=out_w,
                 err_fd=err_w,
-                incoming=False,
+                incoming=True,
                 name="gym_fork-parent",
                 die_with_controller=self._die_with_controller,
             )
@@ -179,19 +296,13 @@ class MicroVMHost:
         self.output.watch("parent", out_r, err_r)
         self.pid = machine.pid
         try:
-            channel.send(
-                {
-                    "op": "init",
-                    "env_fns": payload,
-                    "sys_path": list(__import__("sys").path),
-                    "cwd": os.getcwd(),
-                    "registry": cloudpickle.dumps(dict(registry)),
-                    "prepare": None if prepare is None else cloudpickle.dumps(prepare),
-                    "prepare_in_sandbox": prepare_in_sandbox,
-                }
-            )
+            reader = boot.state_reader()
+            try:
+                machine.restore(reader)
+            finally:
+                os.close(reader)
+            self.restore_seconds = time.perf_counter() - restoring
             reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
-            self.boot_seconds = time.perf_counter() - started
             self.prepare_seconds = reply.get("prepare_seconds", 0.0)
             self.guest = reply.get("isolation", {})
             saving = time.perf_counter()
@@ -199,6 +310,7 @@ class MicroVMHost:
             self.save_seconds = time.perf_counter() - saving
             self.state_bytes = os.fstat(state_fd).st_size
             self.template.positions = channel.positions()
+            self.ready_seconds = time.perf_counter() - started
         finally:
             machine.kill()
             channel.close()

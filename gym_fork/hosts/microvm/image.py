@@ -7,7 +7,8 @@ as on the host. They become an erofs image (read-only, uncompressed: guest code 
 TCG should not spend time decompressing) plus an initramfs holding a static busybox,
 the kernel modules that mount the image, and ``/init``. Both are cached under a hash of
 what went in (every file's path, size, mtime and link target, the kernel, the init
-script), and that hash is part of the lineage baseline id.
+script; byte code in __pycache__ is packed but not hashed, since Python checks it
+against its source anyway), and that hash is part of the lineage baseline id.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ class _Manifest:
             h.update(item.encode() + b"\0")
         for path in sorted(self.entries):
             kind, value = self.entries[path]
+            if "/__pycache__" in path:
+                # Byte code is packed (guest code under TCG should not compile) but not
+                # hashed: Python writes it as it goes, and checks it against the source.
+                continue
             if kind == "file":
                 st = os.stat(path)
                 h.update(f"f {path} {st.st_size} {st.st_mtime_ns} {st.st_mode}\n".encode())
