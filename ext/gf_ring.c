@@ -39,7 +39,7 @@
  *     (a VM guest and its host share the region through ivshmem), so a futex cannot
  *     wake across. Both sides then never set *_sleeping and never FUTEX_WAIT: after the
  *     spin rounds a waiter sleeps for a growing interval (GF_POLL_MIN_NS doubling up
- *     to GF_POLL_MAX_NS) and re-checks. Both ends of one ring must agree on the mode;
+ *     to GF_POLL_MAX_NS, to GF_POLL_IDLE_MAX_NS after a long wait) and re-checks. Both ends of one ring must agree on the mode;
  *     a futex-mode waiter facing a polling peer would sleep until its deadline.
  */
 #include "gf_ring.h"
@@ -84,17 +84,21 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* One polling sleep; returns the next interval (doubling, capped). */
-static int64_t poll_sleep(int64_t interval, int64_t deadline) {
+/* One polling sleep of *interval (cut at the deadline); the next one is twice as long,
+ * up to GF_POLL_MAX_NS while the wait is young and GF_POLL_IDLE_MAX_NS once it has
+ * lasted GF_POLL_IDLE_AFTER_NS (an idle VM then wakes rarely; a busy one stays quick). */
+static void poll_sleep(int64_t *interval, int64_t *slept, int64_t deadline) {
+    int64_t length = *interval;
     if (deadline >= 0) {
         int64_t left = deadline - now_ns();
-        if (left <= 0) return interval;
-        if (left < interval) interval = left;
+        if (left <= 0) return;
+        if (left < length) length = left;
     }
-    struct timespec ts = {interval / 1000000000LL, interval % 1000000000LL};
+    struct timespec ts = {length / 1000000000LL, length % 1000000000LL};
     nanosleep(&ts, NULL);
-    interval *= 2;
-    return interval > GF_POLL_MAX_NS ? GF_POLL_MAX_NS : interval;
+    *slept += length;
+    int64_t cap = *slept >= GF_POLL_IDLE_AFTER_NS ? GF_POLL_IDLE_MAX_NS : GF_POLL_MAX_NS;
+    *interval = *interval * 2 > cap ? cap : *interval * 2;
 }
 
 /* Sleep until *word != expected, a wake-up, or the deadline (-1: none). */
@@ -155,7 +159,7 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
     uint64_t wpos = LOAD_RLX(&ring->write_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
     int poll = (spin & GF_SPIN_POLL) != 0;
-    int64_t interval = GF_POLL_MIN_NS;
+    int64_t interval = GF_POLL_MIN_NS, slept = 0;
     uint32_t spins = 0;
     spin &= ~GF_SPIN_POLL;
     for (;;) {
@@ -169,7 +173,7 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
         if (poll) {
-            interval = poll_sleep(interval, deadline);
+            poll_sleep(&interval, &slept, deadline);
             continue;
         }
         STORE_RLX(&ring->producer_sleeping, 1);
@@ -202,7 +206,7 @@ int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint
     uint64_t rpos = LOAD_RLX(&ring->read_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
     int poll = (spin & GF_SPIN_POLL) != 0;
-    int64_t interval = GF_POLL_MIN_NS;
+    int64_t interval = GF_POLL_MIN_NS, slept = 0;
     uint32_t spins = 0;
     spin &= ~GF_SPIN_POLL;
     uint64_t avail;
@@ -217,7 +221,7 @@ int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
         if (poll) {
-            interval = poll_sleep(interval, deadline);
+            poll_sleep(&interval, &slept, deadline);
             continue;
         }
         STORE_RLX(&ring->consumer_sleeping, 1);

@@ -20,7 +20,9 @@
 /* spin flag: poll with growing sleeps instead of futexes (peers under different kernels) */
 #define GF_SPIN_POLL 0x80000000u
 #define GF_POLL_MIN_NS 20000LL   /* first polling sleep: 20 us */
-#define GF_POLL_MAX_NS 2000000LL /* longest polling sleep: 2 ms */
+#define GF_POLL_MAX_NS 2000000LL /* longest polling sleep of a young wait: 2 ms */
+#define GF_POLL_IDLE_AFTER_NS 200000000LL /* a wait this long (200 ms) is idle ... */
+#define GF_POLL_IDLE_MAX_NS 20000000LL    /* ... and sleeps up to 20 ms at a time */
 
 typedef struct gf_ring {
     /* producer-owned cache line */

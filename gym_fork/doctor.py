@@ -109,6 +109,30 @@ def _qemu() -> Check:
     )
 
 
+def _microvm() -> Check:
+    from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
+
+    missing = missing_requirements()
+    if missing:
+        return Check(
+            "microvm", "missing", f"host='microvm' needs {'; '.join(missing)}: {INSTALL_HINT}"
+        )
+    from gym_fork.hosts.microvm.accel import choose_accel
+    from gym_fork.hosts.microvm.image import build_image
+
+    try:
+        image = build_image()
+    except Exception as exc:
+        return Check("microvm", "missing", f"the guest image cannot be built: {exc}")
+    accel, why = choose_accel(image)
+    return Check(
+        "microvm",
+        "ok" if accel == "kvm" else "degraded",
+        f"kernel {image.kernel.version}, image {image.digest} ({image.files} files, "
+        f"{image.root_bytes >> 20} MiB); accelerator {accel}: {why}",
+    )
+
+
 def _gpu() -> Check:
     from gym_fork.gpu import probe
 
@@ -137,6 +161,7 @@ def checks() -> list[Check]:
         _cgroups(),
         _kvm(),
         _qemu(),
+        _microvm(),
         _gpu(),
     ]
 

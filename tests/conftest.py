@@ -19,6 +19,21 @@ from tests.helpers import (
 )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under GYM_FORK_HOST=microvm (the suites re-run against VMs), tests that need
+    what only the process host has are skipped, each with its reason printed."""
+    if os.environ.get("GYM_FORK_HOST") != "microvm":
+        return
+    reasons = {
+        "host_files": "microVM sandboxes do not see the host's files (they have their own disk)",
+        "process_only": "checks a property of the process host",
+    }
+    for item in items:
+        for marker, reason in reasons.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=f"host='microvm': {reason}"))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def throwaway_lineage_log():
     """Tests write their provenance to a throw-away log, not the user's state directory."""

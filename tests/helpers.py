@@ -154,7 +154,16 @@ def descendants(pid: int | None = None) -> set[int]:
 
 
 def open_fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+    """Open fds, without the microVM boot template (a deliberate per-process cache)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "gym_fork-vm-boot-" not in target:
+            fds.add(int(fd))
+    return fds
 
 
 def gym_fork_shm_files() -> set[str]:

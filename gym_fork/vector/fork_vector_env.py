@@ -155,7 +155,8 @@ class ForkVectorEnv(VectorEnv):
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
-        host: ``"process"`` (default: forked, namespaced processes) or ``"microvm"``:
+        host: ``"process"`` (default, or ``$GYM_FORK_HOST``: forked, namespaced
+            processes) or ``"microvm"``:
             every sandbox is a QEMU virtual machine with its own kernel, cloned
             copy-on-write from a frozen warm parent VM (docs/microvm.md). Needs QEMU, a
             guest kernel and a guest image (``gym-fork image build``).
@@ -189,7 +190,7 @@ class ForkVectorEnv(VectorEnv):
         private_tmp: bool = False,
         timeout: float | None = None,
         gpu_fork_policy: str = "refuse",
-        host: str = "process",
+        host: str | None = None,
         vm_memory_mb: int = 256,
         vm_slab_mb: int = 16,
         _prepare: tuple | None = None,
@@ -248,6 +249,7 @@ class ForkVectorEnv(VectorEnv):
                 f"gpu_fork_policy must be 'refuse' or 'clean', got {gpu_fork_policy!r}"
             )
         self.gpu_fork_policy = gpu_fork_policy
+        host = host or os.environ.get("GYM_FORK_HOST") or "process"
         if host not in HOSTS:
             raise ValueError(f"`host` must be one of {sorted(HOSTS)}, got {host!r}")
         self.host_kind = host
@@ -1356,7 +1358,10 @@ class ForkVectorEnv(VectorEnv):
             self._host.check_slab(self._slab.nbytes)
             return self._host.fork(
                 worker,
-                [(spec, j, seeds[j]) for spec, j in zip(specs, branch_indices, strict=True)],
+                [
+                    (spec, sources[j], j, seeds[j])
+                    for spec, j in zip(specs, branch_indices, strict=True)
+                ],
                 self.num_envs,
                 self._slab.region.fd,
                 self.ring_bytes,

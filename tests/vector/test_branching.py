@@ -221,6 +221,7 @@ def warm(env):
         pass
 
 
+@pytest.mark.host_files
 def test_from_parent_prepares_once_and_resets_from_fresh_clones(tmp_path):
     log_dir = str(tmp_path)
     envs = ForkVectorEnv.from_parent(

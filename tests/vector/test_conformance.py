@@ -213,6 +213,7 @@ class CountingEnv:
         return Env()
 
 
+@pytest.mark.host_files
 @pytest.mark.parametrize("limit", [1, 2, None])
 def test_max_concurrency_bounds_sub_envs_stepping_at_once(tmp_path, limit):
     path = tmp_path / "count"

@@ -70,7 +70,8 @@ def probe_kvm(image: GuestImage) -> dict:
         }
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        return {"kvm": False, "why": f"QEMU -accel kvm failed: {done.stderr.strip()[:300]}"}
+        first = (done.stderr.strip().splitlines() or ["no message"])[0]
+        return {"kvm": False, "why": f"QEMU -accel kvm failed: {first[:200]}"}
     return {"kvm": True, "why": f"a guest kernel booted to poweroff in {seconds:.2f} s"}
 
 

@@ -105,7 +105,11 @@ class GuestWorker(Worker):
         refresh_clock(arg["time_ns"])
         self.generation = arg["generation"]
         self.isolation = guest_report(self.generation)
-        slot = self.slots[0]
+        # The clone keeps the one sub-env it was made from; its worker-mates stay with
+        # the source (dropped unclosed here, as a forked process drops them).
+        slot = next(s for s in self.slots if s.index == arg["source"])
+        self.origins = [self.origins[self.slots.index(slot)]]
+        self.slots = [slot]
         slot.index = arg["index"]
         self.indices = [arg["index"]]
         if arg.get("seed") is not None:

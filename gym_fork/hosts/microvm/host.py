@@ -382,7 +382,7 @@ class MicroVMHost:
                         out_fd=out_w,
                         err_fd=err_w,
                         incoming=True,
-                        name=f"gym_fork-{spec.name}".replace(" ", "-"),
+                        name="gym_fork-" + re.sub(r"[^A-Za-z0-9_-]+", "-", spec.name),
                         die_with_controller=self._die_with_controller,
                     )
                 except BaseException:
@@ -451,14 +451,14 @@ class MicroVMHost:
     def fork(
         self,
         source: WorkerHandle,
-        clones: list[tuple[WorkerSpec, int, int | None]],
+        clones: list[tuple[WorkerSpec, int, int, int | None]],
         num_envs: int,
         slab_fd: int,
         ring_capacity: int,
     ) -> list[WorkerHandle]:
         """Clone the running sandbox ``source`` (idle: no request in flight).
 
-        ``clones`` lists ``(spec, branch_index, seed)``. The source's private RAM is
+        ``clones`` lists ``(spec, source_index, branch_index, seed)``. The source's private RAM is
         copied once into a new frozen branch point; the source then resumes.
         """
         self._check_capacity(ring_capacity)
@@ -474,6 +474,7 @@ class MicroVMHost:
                         P.REBIND,
                         0,
                         {
+                            "source": source_index,
                             "index": branch_index,
                             "seed": seed,
                             "num_envs": num_envs,
@@ -482,7 +483,7 @@ class MicroVMHost:
                         },
                     ],
                 )
-                for spec, branch_index, seed in clones
+                for spec, source_index, branch_index, seed in clones
             ]
             return self._restore_clones(point, slab_fd, orders)
         except (MachineError, OSError) as exc:
