@@ -526,6 +526,8 @@ class MicroVMHost:
             helper.command("getfd", {"fdname": "gf-in-ram"}, fds=(receiving.fileno(),))
             helper.command("migrate-incoming", {"uri": "fd:gf-in-ram"})
             machine._ignore_shared(False)
+            # QEMU throttles migrations to 128 MiB/s by default; this one is a local copy.
+            machine.command("migrate-set-parameters", {"max-bandwidth": 64 << 30})
             machine.command("getfd", {"fdname": "gf-out-ram"}, fds=(sending.fileno(),))
             machine.command("migrate", {"uri": "fd:gf-out-ram"})
             machine._wait_migration("copying the RAM of a running VM")

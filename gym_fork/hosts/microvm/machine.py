@@ -30,6 +30,7 @@ from gym_fork.system import linux
 # the same address before the device state is loaded). The guest kernel is told not to
 # use them as RAM (acpi_no_memhotplug) and the agent maps them through /dev/mem.
 DEVICE_MEMORY_BASE = 1 << 32
+TCG_CACHE_MB = 16
 
 
 class MachineError(RuntimeError):
@@ -112,7 +113,9 @@ class Machine:
             "-machine",
             "q35,memory-backend=gf-ram",
             "-accel",
-            config.accel,
+            # TCG's translation cache is private to each clone: a small one keeps a
+            # clone's own memory small (a step loop's guest code fits many times over).
+            "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MB}",
             "-cpu",
             "host" if config.accel == "kvm" else "max",
             "-m",
