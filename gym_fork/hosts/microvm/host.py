@@ -46,7 +46,7 @@ from gym_fork.hosts.microvm.machine import (
 )
 from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec
 from gym_fork.hosts.process.output import OutputCollector
-from gym_fork.system.isolation import IsolationConfig
+from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel, region_bytes
 from gym_fork.worker import protocol as P
@@ -218,6 +218,11 @@ class MicroVMHost:
             raise ValueError(
                 "host='microvm' has no guest network (the VMs get no NIC): network=True "
                 "is not available"
+            )
+        if self.isolation_config.limits != SandboxLimits():
+            raise ValueError(
+                "host='microvm' does not apply SandboxLimits (rlimits and cgroups are "
+                "process-host tools): a VM is bounded by its RAM (vm_memory_mb) and one vCPU"
             )
         self.output = OutputCollector(echo=echo_output)
         self._lock = threading.Lock()
