@@ -169,8 +169,9 @@ def test_doctor_reports_every_layer_and_exits_zero_here():
         [sys.executable, "-m", "gym_fork", "doctor"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()][:8]
-    for expected in ("python", "C", "shared", "namespaces", "cgroups", "kvm", "qemu", "gpu"):
+    layers = ("python", "C", "shared", "namespaces", "cgroups", "kvm", "qemu", "microvm", "gpu")
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()][: len(layers)]
+    for expected in layers:
         assert expected in names
-    for line in out.stdout.splitlines()[:8]:
+    for line in out.stdout.splitlines()[: len(layers)]:
         assert line.split()[-1] and any(s in line for s in (" ok ", " missing ", " degraded "))

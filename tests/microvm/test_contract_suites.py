@@ -12,11 +12,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITES = ["tests/vector/test_conformance.py", "tests/vector/test_branching.py"]
 ALLOWED_SKIPS = ("host='microvm': ", "GYMNASIUM_GIT_DIR")
 
 
+@pytest.mark.timeout(1500)
 def test_conformance_and_branching_suites_pass_on_the_microvm_host():
     env = dict(os.environ, GYM_FORK_HOST="microvm")
     done = subprocess.run(
