@@ -124,6 +124,13 @@ def main() -> None:
     fd = os.open("/dev/mem", os.O_RDWR | os.O_SYNC)
     address = int(_cmdline_value("gym_fork.channel"), 16)
     channel = Channel.attach(fd, capacity, "guest", poll=True, offset=address)
+    with open("/proc/cmdline") as f:
+        probing = "gym_fork.probe=doorbell" in f.read()
+    if probing:
+        from gym_fork.hosts.microvm.doorbell import guest_echo
+
+        guest_echo(channel)
+        return
     channel.send({"op": "booted"})
     # First branch point: booted, imports done. The controller freezes the VM here once
     # per image and restores a copy of it for every warm parent it needs.

@@ -370,6 +370,8 @@ class MicroVMHost:
         """Start one QEMU per order on ``point``; each finds its order in its channel."""
         if os.fstat(slab_fd).st_size < self.config.slab_bytes:
             os.ftruncate(slab_fd, self.config.slab_bytes)  # sparse: costs nothing unused
+        for pid in [pid for pid, m in self._machines.items() if not m.alive()]:
+            del self._machines[pid]  # released ones (kill() reaped them)
         started: list[tuple[VMWorkerHandle, Machine]] = []
         try:
             for spec, order in orders:

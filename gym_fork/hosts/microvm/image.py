@@ -71,7 +71,9 @@ stty -F /dev/ttyS1 raw -echo 2>/dev/null
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
 mount --move /dev /newroot/dev
-mount -t tmpfs -o mode=1777 tmp /newroot/tmp
+# /tmp is not a separate tmpfs: the image may hold code under /tmp (a checkout in
+# /tmp/...), and the overlay's upper layer is in guest RAM already.
+chmod 1777 /newroot/tmp 2>/dev/null || mount -t tmpfs -o mode=1777 tmp /newroot/tmp
 export HOME=/tmp PYTHONPATH=@PACKAGE_ROOT@ PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 chroot /newroot @PYTHON@ -m gym_fork.hosts.microvm.agent >/newroot/dev/ttyS0 2>/newroot/dev/ttyS1
 echo "gym_fork-guest-exit $?" >/newroot/dev/ttyS1

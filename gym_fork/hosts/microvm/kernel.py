@@ -20,8 +20,9 @@ from gym_fork.hosts.microvm.paths import cache_root
 
 # What the guest loads from the kernel's modules, in dependency order (resolved from
 # each .ko's own "depends=" at build time): virtio PCI and block for the root image,
-# erofs to read it, overlay for a writable layer over it. Built-in ones are skipped.
-GUEST_MODULES = ("virtio_pci", "virtio_blk", "erofs", "overlay")
+# erofs to read it, overlay for a writable layer over it; virtio_console for the
+# doorbell measurement (benchmarks/doorbell_probe.py). Built-in ones are skipped.
+GUEST_MODULES = ("virtio_pci", "virtio_blk", "erofs", "overlay", "virtio_console")
 # Dependencies the kernel asks for by name at run time, not in "depends=".
 SOFT_DEPENDENCIES = {"libcrc32c": ["crc32c_generic"]}
 

@@ -44,9 +44,11 @@ class MachineConfig:
     image: GuestImage
     accel: str  # "kvm" or "tcg"
     memory_mb: int
-    channel_bytes: int  # size of the channel BAR (a power of two)
-    slab_bytes: int  # size of the slab BAR (a power of two)
+    channel_bytes: int  # size of the channel device (a power of two)
+    slab_bytes: int  # size of the slab device (a power of two)
     ring_capacity: int
+    extra_cmdline: str = ""  # appended to the kernel command line (measurements)
+    extra_args: tuple[str, ...] = ()  # appended to QEMU's arguments (measurements)
 
     @property
     def channel_address(self) -> int:
@@ -61,6 +63,7 @@ class MachineConfig:
             "console=ttyS1 quiet loglevel=3 panic=-1 mitigations=off acpi_no_memhotplug "
             f"gym_fork.ring_capacity={self.ring_capacity} "
             f"gym_fork.channel={self.channel_address:#x} gym_fork.slab={self.slab_address:#x}"
+            + (" " + self.extra_cmdline if self.extra_cmdline else "")
         )
 
 
@@ -96,6 +99,7 @@ class Machine:
         paused: bool = False,
         name: str = "gym_fork",
         die_with_controller: bool = True,
+        extra_fds: tuple[int, ...] = (),
     ) -> None:
         binary = qemu_binary()
         if binary is None:
@@ -104,7 +108,7 @@ class Machine:
         self.name = name
         image = config.image
         qmp_ours, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (ram_fd, channel_fd, slab_fd, out_fd, err_fd, qmp_theirs.fileno())
+        fds = (ram_fd, channel_fd, slab_fd, out_fd, err_fd, qmp_theirs.fileno(), *extra_fds)
         share = "on" if shared_ram else "off"
         args = [
             binary,
@@ -167,6 +171,7 @@ class Machine:
             "-mon",
             "chardev=gf-qmp,mode=control",
         ]
+        args += config.extra_args
         if incoming:
             args += ["-incoming", "defer"]
         if paused:
