@@ -18,6 +18,7 @@ ffibuilder.cdef(
     #define GF_ETOOBIG -6
     #define GF_ECOUNTERS -7
     #define GF_EINVAL -8
+    #define GF_WAKE 1
     #define GF_RECORD_HEADER 16
     #define GF_SPIN_POLL 0x80000000
     typedef struct gf_ring gf_ring;
@@ -27,8 +28,9 @@ ffibuilder.cdef(
     int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
                       uint32_t head_len, const void *body, uint32_t body_len, int64_t timeout_ns);
     int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
-                         int64_t timeout_ns, uint64_t *needed);
+                         int64_t timeout_ns, uint64_t *needed, int bell_fd);
     uint64_t gf_ring_pending(const gf_ring *ring);
+    uint32_t gf_ring_consumer_sleeping(const gf_ring *ring);
     """
 )
 ffibuilder.set_source(

@@ -41,12 +41,21 @@
  *     spin rounds a waiter sleeps for a growing interval (GF_POLL_MIN_NS doubling up
  *     to GF_POLL_MAX_NS, to GF_POLL_IDLE_MAX_NS after a long wait) and re-checks. Both ends of one ring must agree on the mode;
  *     a futex-mode waiter facing a polling peer would sleep until its deadline.
+ * 11. Doorbell (polling reads given a bell_fd >= 0): once a read has waited
+ *     GF_POLL_IDLE_AFTER_NS, the reader sets consumer_sleeping, re-checks after a seq_cst
+ *     fence and blocks in poll() on bell_fd (at most GF_BELL_MAX_NS at a time, so a lost
+ *     byte costs latency, never a hang). A polling writer that sees consumer_sleeping
+ *     after its publish (the same fence pair as the futex mode) returns GF_WAKE instead
+ *     of GF_OK: its caller writes a byte to the peer's bell. Bytes are only wake-ups;
+ *     the reader drains them and re-checks the ring. A bell that reports hang-up or
+ *     error is not used again in that call (polling sleeps instead).
  */
 #include "gf_ring.h"
 
 #include <errno.h>
 #include <sched.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -133,6 +142,10 @@ int gf_ring_check(const gf_ring *ring, uint64_t capacity) {
     return GF_OK;
 }
 
+uint32_t gf_ring_consumer_sleeping(const gf_ring *ring) {
+    return __atomic_load_n(&ring->consumer_sleeping, __ATOMIC_SEQ_CST);
+}
+
 uint64_t gf_ring_pending(const gf_ring *ring) {
     return LOAD_ACQ(&ring->write_pos) - LOAD_ACQ(&ring->read_pos);
 }
@@ -158,7 +171,7 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
     if (length > 0xffffffffu || need > cap) return GF_ETOOBIG;
     uint64_t wpos = LOAD_RLX(&ring->write_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
-    int poll = (spin & GF_SPIN_POLL) != 0;
+    int polling = (spin & GF_SPIN_POLL) != 0;
     int64_t interval = GF_POLL_MIN_NS, slept = 0;
     uint32_t spins = 0;
     spin &= ~GF_SPIN_POLL;
@@ -172,7 +185,7 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
-        if (poll) {
+        if (polling) {
             poll_sleep(&interval, &slept, deadline);
             continue;
         }
@@ -197,15 +210,42 @@ int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
     STORE_RLX(&ring->write_seq, seq);
     STORE_REL(&ring->write_pos, wpos + need);
     __atomic_fetch_add(&ring->data_futex, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&ring->consumer_sleeping, __ATOMIC_SEQ_CST)) futex_wake(&ring->data_futex);
+    if (__atomic_load_n(&ring->consumer_sleeping, __ATOMIC_SEQ_CST)) {
+        if (polling) return GF_WAKE;
+        futex_wake(&ring->data_futex);
+    }
     return GF_OK;
 }
 
+/* Block on the doorbell until a byte, the deadline or GF_BELL_MAX_NS; 0 if the bell is
+ * unusable (hang-up, error). The sleeping flag is set and the ring re-checked first. */
+static int bell_wait(gf_ring *ring, uint64_t rpos, int bell_fd, int64_t deadline) {
+    STORE_RLX(&ring->consumer_sleeping, 1);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int usable = 1;
+    if (LOAD_ACQ(&ring->write_pos) == rpos) {
+        int64_t wait = GF_BELL_MAX_NS;
+        if (deadline >= 0 && deadline - now_ns() < wait) wait = deadline - now_ns();
+        if (wait > 0) {
+            struct pollfd p = {bell_fd, POLLIN, 0};
+            int n = poll(&p, 1, (int)((wait + 999999) / 1000000));
+            if (n > 0 && (p.revents & POLLIN)) {
+                uint8_t drain[64];
+                if (read(bell_fd, drain, sizeof drain) <= 0) usable = 0;
+            } else if (n > 0 || (n < 0 && errno != EINTR)) {
+                usable = 0;
+            }
+        }
+    }
+    STORE_RLX(&ring->consumer_sleeping, 0);
+    return usable;
+}
+
 int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
-                     int64_t timeout_ns, uint64_t *needed) {
+                     int64_t timeout_ns, uint64_t *needed, int bell_fd) {
     uint64_t rpos = LOAD_RLX(&ring->read_pos);
     int64_t deadline = timeout_ns < 0 ? -1 : now_ns() + timeout_ns;
-    int poll = (spin & GF_SPIN_POLL) != 0;
+    int polling = (spin & GF_SPIN_POLL) != 0;
     int64_t interval = GF_POLL_MIN_NS, slept = 0;
     uint32_t spins = 0;
     spin &= ~GF_SPIN_POLL;
@@ -220,7 +260,11 @@ int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint
             continue;
         }
         if (deadline >= 0 && now_ns() >= deadline) return GF_ETIMEDOUT;
-        if (poll) {
+        if (polling) {
+            if (bell_fd >= 0 && slept >= GF_POLL_IDLE_AFTER_NS) {
+                if (!bell_wait(ring, rpos, bell_fd, deadline)) bell_fd = -1;
+                continue;
+            }
             poll_sleep(&interval, &slept, deadline);
             continue;
         }

@@ -12,6 +12,7 @@
 #define GF_ETOOBIG -6        /* record can never fit in this ring */
 #define GF_ECOUNTERS -7      /* the shared positions are inconsistent (written by a third party) */
 #define GF_EINVAL -8         /* bad arguments (capacity not a power of two, ...) */
+#define GF_WAKE 1            /* written; the polling peer sleeps on its doorbell: ring it */
 
 #define GF_RING_MAGIC 0x47465247u   /* "GRFG": the control block is initialised */
 #define GF_RECORD_MAGIC 0x52454331u /* "1CER": starts every record */
@@ -23,6 +24,7 @@
 #define GF_POLL_MAX_NS 2000000LL /* longest polling sleep of a young wait: 2 ms */
 #define GF_POLL_IDLE_AFTER_NS 200000000LL /* a wait this long (200 ms) is idle ... */
 #define GF_POLL_IDLE_MAX_NS 20000000LL    /* ... and sleeps up to 20 ms at a time */
+#define GF_BELL_MAX_NS 1000000000LL       /* longest block on a doorbell: 1 s */
 
 typedef struct gf_ring {
     /* producer-owned cache line */
@@ -51,6 +53,7 @@ int gf_ring_check(const gf_ring *ring, uint64_t capacity);
 int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
                   uint32_t head_len, const void *body, uint32_t body_len, int64_t timeout_ns);
 int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
-                     int64_t timeout_ns, uint64_t *needed);
+                     int64_t timeout_ns, uint64_t *needed, int bell_fd);
 uint64_t gf_ring_pending(const gf_ring *ring);
+uint32_t gf_ring_consumer_sleeping(const gf_ring *ring);
 #endif

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from gym_fork._ring import ffi, lib
@@ -75,6 +76,10 @@ class Ring:
                 worker=name,
                 reason=_REASONS.get(rc, str(rc)),
             )
+        # Doorbells (microVM channels): the fd this side blocks on when idle (reads), and
+        # the fd to write a byte to when the peer sleeps on its own (writes). -1: none.
+        self.bell_fd = -1
+        self.peer_bell_fd = -1
         self._out = bytearray(4096)
         self._out_c = ffi.from_buffer(self._out)
         self._needed = ffi.new("uint64_t *")
@@ -97,6 +102,9 @@ class Ring:
             -1 if timeout is None else _timeout_ns(timeout),
         )
         if rc != lib.GF_OK:
+            if rc == lib.GF_WAKE:
+                self._ring_peer()
+                return
             self._raise_write(rc, len(head) + body_len, timeout)
 
     def _raise_write(self, rc: int, size: int, timeout: float | None) -> None:
@@ -127,6 +135,9 @@ class Ring:
             -1 if timeout is None else _timeout_ns(timeout),
         )
         if rc != lib.GF_OK:
+            if rc == lib.GF_WAKE:
+                self._ring_peer()
+                return
             self._raise_write(rc, size + 1, timeout)
 
     def read(self, timeout: float | None = None) -> memoryview:
@@ -140,6 +151,7 @@ class Ring:
                 len(self._out),
                 _timeout_ns(timeout),
                 self._needed,
+                self.bell_fd,
             )
             if n >= 0:
                 return memoryview(self._out)[:n]
@@ -150,9 +162,20 @@ class Ring:
                 raise RingTimeout(f"ring {self.name!r}: nothing arrived within {timeout} s")
             raise self._corrupt(n)
 
+    def _ring_peer(self) -> None:
+        """The reader sleeps on its doorbell: one byte wakes it (a full or closed bell
+        already holds wake-ups, or its VM is gone: nothing to do)."""
+        if self.peer_bell_fd >= 0:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError, ConnectionError):
+                os.write(self.peer_bell_fd, b"\0")
+
     def pending(self) -> int:
         """Bytes written and not yet read (headers and padding included)."""
         return int(lib.gf_ring_pending(self._ring))
+
+    def reader_sleeps(self) -> bool:
+        """True while the reader sleeps (futex, or its doorbell when polling)."""
+        return bool(lib.gf_ring_consumer_sleeping(self._ring))
 
     def release(self) -> None:
         """Drop the buffer export on the region so that it can be unmapped."""

@@ -244,6 +244,8 @@ class MicroVMHost:
             region_bytes(ring_capacity),
             slab_mb << 20,
             ring_capacity,
+            # GYM_FORK_VM_DOORBELL=0: idle guests keep polling (for measurements)
+            doorbell=os.environ.get("GYM_FORK_VM_DOORBELL", "1") != "0",
         )
         self._die_with_controller = controller_is_main_thread()
         try:
@@ -306,6 +308,7 @@ class MicroVMHost:
                 machine.restore(reader)
             finally:
                 os.close(reader)
+            machine.ring_bell()
             self.restore_seconds = time.perf_counter() - restoring
             reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
             self.prepare_seconds = reply.get("prepare_seconds", 0.0)
@@ -414,12 +417,15 @@ class MicroVMHost:
                 )
                 self._machines[machine.pid] = machine
                 started.append((handle, machine))
-            for _handle, machine in started:
+            for handle, machine in started:
+                if self.config.doorbell:
+                    handle.channel.outbox.peer_bell_fd = machine.bell.fileno()
                 reader = point.state_reader()
                 try:
                     machine.restore(reader)
                 finally:
                     os.close(reader)
+                machine.ring_bell()
         except BaseException:
             for handle, _machine in started:
                 handle.release()

@@ -31,6 +31,7 @@ from gym_fork.system import linux
 # use them as RAM (acpi_no_memhotplug) and the agent maps them through /dev/mem.
 DEVICE_MEMORY_BASE = 1 << 32
 TCG_CACHE_MB = 16
+BELL_PORT = "gf.bell"  # name of the doorbell's virtio-serial port in the guest
 
 
 class MachineError(RuntimeError):
@@ -47,6 +48,7 @@ class MachineConfig:
     channel_bytes: int  # size of the channel device (a power of two)
     slab_bytes: int  # size of the slab device (a power of two)
     ring_capacity: int
+    doorbell: bool = True  # an idle guest blocks on a virtio-serial doorbell
     extra_cmdline: str = ""  # appended to the kernel command line (measurements)
     extra_args: tuple[str, ...] = ()  # appended to QEMU's arguments (measurements)
 
@@ -62,7 +64,8 @@ class MachineConfig:
         return (
             "console=ttyS1 quiet loglevel=3 panic=-1 mitigations=off acpi_no_memhotplug "
             f"gym_fork.ring_capacity={self.ring_capacity} "
-            f"gym_fork.channel={self.channel_address:#x} gym_fork.slab={self.slab_address:#x}"
+            f"gym_fork.channel={self.channel_address:#x} gym_fork.slab={self.slab_address:#x} "
+            f"gym_fork.bell={int(self.doorbell)}"
             + (" " + self.extra_cmdline if self.extra_cmdline else "")
         )
 
@@ -108,7 +111,20 @@ class Machine:
         self.name = name
         image = config.image
         qmp_ours, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (ram_fd, channel_fd, slab_fd, out_fd, err_fd, qmp_theirs.fileno(), *extra_fds)
+        # The doorbell: a virtio-serial port whose host end is ours (every VM has it, so
+        # that device state moves between them; the guest uses it when gym_fork.bell=1).
+        self.bell, bell_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.bell.setblocking(False)
+        fds = (
+            ram_fd,
+            channel_fd,
+            slab_fd,
+            out_fd,
+            err_fd,
+            qmp_theirs.fileno(),
+            bell_theirs.fileno(),
+            *extra_fds,
+        )
         share = "on" if shared_ram else "off"
         args = [
             binary,
@@ -166,6 +182,12 @@ class Machine:
             f"file,id=gf-err,path=/proc/self/fd/{err_fd}",
             "-serial",
             "chardev:gf-err",
+            "-device",
+            "virtio-serial-pci,id=gf-serial",
+            "-chardev",
+            f"socket,id=gf-bell,fd={bell_theirs.fileno()}",
+            "-device",
+            f"virtserialport,chardev=gf-bell,name={BELL_PORT}",
             "-chardev",
             f"socket,id=gf-qmp,fd={qmp_theirs.fileno()}",
             "-mon",
@@ -190,10 +212,12 @@ class Machine:
             )
         except BaseException:
             qmp_ours.close()
+            self.bell.close()
             os.close(self.log_fd)
             raise
         finally:
             qmp_theirs.close()
+            bell_theirs.close()
         self.pid = self.process.pid
         try:
             self.qmp = QMP(qmp_ours)
@@ -266,6 +290,12 @@ class Machine:
         lines = [line for line in data.splitlines() if "fw_cfg item names" not in line]
         return "\n".join(lines)
 
+    def ring_bell(self) -> None:
+        """Wake the guest if it blocks on its doorbell (after a restore: the order it
+        waits for was written before this QEMU existed)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self.bell.send(b"\0")
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
@@ -280,6 +310,7 @@ class Machine:
         if self.log_fd >= 0:
             os.close(self.log_fd)
             self.log_fd = -1
+        self.bell.close()
 
 
 def _die_with_controller() -> None:
