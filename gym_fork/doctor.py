@@ -54,9 +54,13 @@ def _probe_namespaces() -> Check:
 
 def _cgroups() -> Check:
     if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-        return Check("cgroups", "degraded", "v2 present; gym_fork limits use rlimits, not cgroups")
+        return Check(
+            "cgroups", "ok", "v2 present: memory and process limits use cgroups and rlimits"
+        )
     if os.path.isdir("/sys/fs/cgroup/memory"):
-        return Check("cgroups", "degraded", "v1 present; gym_fork limits use rlimits, not cgroups")
+        return Check(
+            "cgroups", "ok", "v1 present: memory and process limits use cgroups and rlimits"
+        )
     return Check("cgroups", "missing", "no cgroup filesystem; limits use rlimits")
 
 

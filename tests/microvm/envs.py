@@ -36,6 +36,11 @@ class GuestProbeEnv(gym.Env):
     def _obs(self):
         return self.np_random.integers(0, 255, 8, dtype=np.uint8)
 
+    def guest_time(self) -> float:
+        import time
+
+        return time.time()
+
     def sandbox_facts(self):
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()

@@ -222,3 +222,22 @@ def test_an_idle_guest_sleeps_on_its_doorbell_and_wakes_for_the_next_step():
         branch.close()
     finally:
         envs.close()
+
+
+def test_warm_parents_from_one_boot_do_not_share_randomness_or_an_old_clock():
+    """Both vector envs restore the same frozen boot; each warm parent takes fresh
+    entropy and the controller's clock, so their unseeded sub-envs differ."""
+    first = ForkVectorEnv.from_parent(GuestProbeEnv, 1, host="microvm")
+    second = ForkVectorEnv.from_parent(GuestProbeEnv, 1, host="microvm")
+    try:
+        first.reset()
+        second.reset()
+        randoms = []
+        for envs in (first, second):
+            _, _, _, _, infos = envs.step(np.array([0]))
+            randoms.append(infos["random"][0])
+        assert randoms[0] != randoms[1]
+        assert abs(first.call("guest_time")[0] - time.time()) < 30
+    finally:
+        first.close()
+        second.close()

@@ -73,15 +73,31 @@ def refresh_clock(time_ns: int) -> None:
         time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
 
 
-def reseed_kernel(seed: int) -> None:
-    """Give this clone's kernel RNG its own state (clones share the parent's)."""
+def reseed_kernel(seed: int | bytes) -> None:
+    """Give this guest's kernel RNG its own state (clones share their parent's)."""
+    material = seed if isinstance(seed, bytes) else f"gym_fork clone {seed}".encode()
     with open("/dev/urandom", "wb", buffering=0) as f:
-        f.write(hashlib.sha256(f"gym_fork clone {seed}".encode()).digest())
+        f.write(hashlib.sha256(material).digest())
         fcntl.ioctl(f.fileno(), RNDRESEEDCRNG)
 
 
+def fresh_start(message: dict[str, Any]) -> None:
+    """A warm parent restored from the boot template must not inherit its clock or its
+    randomness (every warm parent would then share the kernel RNG and Python's and numpy's
+    global generators, as no two process-host warm parents do): take the controller's
+    clock and entropy, then reseed the global generators from the kernel."""
+    import random
+
+    import numpy as np
+
+    refresh_clock(message["time_ns"])
+    reseed_kernel(message["entropy"])
+    random.seed()
+    np.random.seed()
+
+
 class GuestWorker(Worker):
-    """The worker loop with the slab on an ivshmem BAR and a REBIND for clones."""
+    """The worker loop with the slab in guest-physical memory and a REBIND for clones."""
 
     def __init__(self, channel: Channel, spec: dict[str, Any], make_env, generation: int):
         super().__init__(
@@ -148,6 +164,7 @@ def main() -> None:
     parent = WarmParent(None)
     message = channel.recv()
     try:
+        fresh_start(message)
         parent.prepare(message)
     except Exception as exc:
         channel.send(

@@ -280,6 +280,8 @@ class MicroVMHost:
                 "registry": cloudpickle.dumps(dict(registry)),
                 "prepare": None if prepare is None else cloudpickle.dumps(prepare),
                 "prepare_in_sandbox": prepare_in_sandbox,
+                "time_ns": time.time_ns(),
+                "entropy": os.urandom(32),
             }
         )
         slab_fd = new_memfd("gym_fork-vm-no-slab", self.config.slab_bytes)
