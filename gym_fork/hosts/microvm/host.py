@@ -44,6 +44,7 @@ from gym_fork.hosts.microvm.machine import (
     controller_is_main_thread,
     new_memfd,
 )
+from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
 from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec
 from gym_fork.hosts.process.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
@@ -231,6 +232,13 @@ class MicroVMHost:
         self._generation = 0
         self.template: BranchPoint | None = None
         self.pid = -1
+        missing = missing_requirements()
+        if missing:
+            self.output.close()
+            raise SandboxStartError(
+                f"host='microvm' cannot run here: missing {'; '.join(missing)}. "
+                f"Install: {INSTALL_HINT}"
+            )
         try:
             self.image = image or build_image()
         except Exception as exc:
