@@ -234,7 +234,8 @@ class Slab:
     """The batch slab of one vector env, over a shared :class:`Region`.
 
     ``observation_space`` / ``action_space`` are the *single* spaces. ``region_fd`` maps
-    a memfd made elsewhere; its ``owner`` sizes it first. Either may have no
+    a memfd made elsewhere (from ``region_offset``: /dev/mem in a VM); its ``owner``
+    sizes it first. Either may have no
     slab layout (``observations``/``actions`` is then None and values use the ring).
     Rewards (float64) and termination/truncation flags (bool) always live here.
     """
@@ -248,6 +249,7 @@ class Slab:
         use_observations: bool = True,
         region: Region | None = None,
         region_fd: int | None = None,
+        region_offset: int = 0,
         owner: bool = False,
     ) -> None:
         self.num_envs = num_envs
@@ -268,7 +270,7 @@ class Slab:
                 # Only ever grow: a VM may map the same memfd with a larger, fixed size.
                 if owner and os.fstat(region_fd).st_size < self.nbytes:
                     os.ftruncate(region_fd, self.nbytes)
-                region = Region.attach(region_fd, self.nbytes)
+                region = Region.attach(region_fd, self.nbytes, region_offset)
         self.region = region
         offset = 0
         for part in parts:

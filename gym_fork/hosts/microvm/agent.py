@@ -23,18 +23,11 @@ from typing import Any
 from gym_fork.hosts.microvm.doorbell import find_port
 from gym_fork.hosts.process.parent import WarmParent, _pickled
 from gym_fork.transport.channel import Channel
-from gym_fork.transport.region import Region
 from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import Worker, _reseed
 
 RNDRESEEDCRNG = 0x5207  # ioctl: make the kernel's RNG draw from its pool now
-
-
-def open_physical(address: int, size: int) -> Region:
-    """Map guest-physical memory the kernel does not use (the host's shared memfds)."""
-    fd = os.open("/dev/mem", os.O_RDWR | os.O_SYNC)
-    return Region.attach(fd, size, address)
 
 
 def _cmdline_value(key: str) -> str:
@@ -113,16 +106,13 @@ class GuestWorker(Worker):
         return super().attach(arg)
 
     def open_slab(self, obs_space, act_space, num_envs: int, use_observations: bool) -> Slab:
-        layout = Slab(obs_space, act_space, num_envs, use_observations=use_observations)
-        nbytes = layout.nbytes
-        layout.close()
-        address = int(_cmdline_value("gym_fork.slab"), 16)
         return Slab(
             obs_space,
             act_space,
             num_envs,
             use_observations=use_observations,
-            region=open_physical(address, nbytes),
+            region_fd=os.open("/dev/mem", os.O_RDWR | os.O_SYNC),
+            region_offset=int(_cmdline_value("gym_fork.slab"), 16),
         )
 
     def rebind(self, arg: dict[str, Any]) -> None:

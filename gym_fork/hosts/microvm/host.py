@@ -45,7 +45,7 @@ from gym_fork.hosts.microvm.machine import (
     new_memfd,
 )
 from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
-from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec
+from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec, raise_prepare_failure
 from gym_fork.hosts.process.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.system.linux import ProcessWatch
@@ -83,9 +83,15 @@ class BranchPoint:
     positions: bytes
     created: float = field(default_factory=time.perf_counter)
 
-    def state_reader(self) -> int:
-        """A fresh read-only fd on the state (its own file offset)."""
-        return os.open(f"/proc/self/fd/{self.state_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    def resume(self, machine: Machine) -> None:
+        """Load this point's state into ``machine`` (started ``incoming``), run it, and
+        ring its doorbell: what it waits for was written before its QEMU existed."""
+        reader = os.open(f"/proc/self/fd/{self.state_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            machine.restore(reader)
+        finally:
+            os.close(reader)
+        machine.ring_bell()
 
     def close(self) -> None:
         for fd in (self.ram_fd, self.state_fd):
@@ -137,6 +143,44 @@ def release_boot_templates() -> None:
         _BOOT_TEMPLATES.clear()
 
 
+def _start_slabless(
+    config: MachineConfig,
+    output: OutputCollector,
+    key: str,
+    ram_fd: int,
+    channel: Channel,
+    *,
+    incoming: bool,
+    die_with_controller: bool = True,
+) -> Machine:
+    """A VM with shared RAM and no vector env (a boot or a warm parent): its slab device
+    is a throw-away memfd; its output is watched under ``key``."""
+    slab_fd = new_memfd("gym_fork-vm-no-slab", config.slab_bytes)
+    (out_r, out_w), (err_r, err_w) = output.new_pipes()
+    try:
+        machine = Machine(
+            config,
+            ram_fd=ram_fd,
+            shared_ram=True,
+            channel_fd=channel.region.fd,
+            slab_fd=slab_fd,
+            out_fd=out_w,
+            err_fd=err_w,
+            incoming=incoming,
+            name=f"gym_fork-{key}",
+            die_with_controller=die_with_controller,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        for fd in (slab_fd, out_w, err_w):
+            os.close(fd)
+    output.watch(key, out_r, err_r)
+    return machine
+
+
 def _boot(config: MachineConfig, timeout: float) -> BranchPoint:
     from gym_fork.errors import RingTimeout
 
@@ -144,27 +188,10 @@ def _boot(config: MachineConfig, timeout: float) -> BranchPoint:
     state_fd = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
     point = BranchPoint(ram_fd, state_fd, b"")
     channel = Channel.create("booting VM", config.ring_capacity, poll=True)
-    slab_fd = new_memfd("gym_fork-vm-no-slab", config.slab_bytes)
     output = OutputCollector(echo=False)
-    (out_r, out_w), (err_r, err_w) = output.new_pipes()
     machine = None
     try:
-        try:
-            machine = Machine(
-                config,
-                ram_fd=ram_fd,
-                shared_ram=True,
-                channel_fd=channel.region.fd,
-                slab_fd=slab_fd,
-                out_fd=out_w,
-                err_fd=err_w,
-                incoming=False,
-                name="gym_fork-boot",
-            )
-        finally:
-            for fd in (slab_fd, out_w, err_w):
-                os.close(fd)
-        output.watch("boot", out_r, err_r)
+        machine = _start_slabless(config, output, "boot", ram_fd, channel, incoming=False)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -292,33 +319,22 @@ class MicroVMHost:
                 "entropy": os.urandom(32),
             }
         )
-        slab_fd = new_memfd("gym_fork-vm-no-slab", self.config.slab_bytes)
-        (out_r, out_w), (err_r, err_w) = self.output.new_pipes()
         try:
-            machine = Machine(
+            machine = _start_slabless(
                 self.config,
-                ram_fd=ram_fd,
-                shared_ram=True,
-                channel_fd=channel.region.fd,
-                slab_fd=slab_fd,
-                out_fd=out_w,
-                err_fd=err_w,
+                self.output,
+                "parent",
+                ram_fd,
+                channel,
                 incoming=True,
-                name="gym_fork-parent",
                 die_with_controller=self._die_with_controller,
             )
-        finally:
-            for fd in (slab_fd, out_w, err_w):
-                os.close(fd)
-        self.output.watch("parent", out_r, err_r)
+        except BaseException:
+            channel.close()
+            raise
         self.pid = machine.pid
         try:
-            reader = boot.state_reader()
-            try:
-                machine.restore(reader)
-            finally:
-                os.close(reader)
-            machine.ring_bell()
+            boot.resume(machine)
             self.restore_seconds = time.perf_counter() - restoring
             reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
             self.prepare_seconds = reply.get("prepare_seconds", 0.0)
@@ -353,23 +369,9 @@ class MicroVMHost:
                     raise SandboxStartError(
                         f"the warm parent VM was not ready within {timeout} s ({self.accel})"
                     ) from None
-        if reply.get("op") == "ready":
-            return reply
-        original = reply.get("exception")
-        exc = None
-        if original is not None:
-            with contextlib.suppress(Exception):
-                exc = cloudpickle.loads(original)
-        if isinstance(exc, BaseException):
-            exc.add_note(
-                "[gym_fork] raised while preparing the warm parent VM; its traceback:\n"
-                + reply.get("traceback", "")
-            )
-            raise exc
-        raise SandboxStartError(
-            f"the warm parent VM could not prepare the env_fns: {reply.get('error')}\n"
-            f"{reply.get('traceback', '')}"
-        )
+        if reply.get("op") != "ready":
+            raise_prepare_failure(reply, "the warm parent VM")
+        return reply
 
     # -- clones ---------------------------------------------------------------------
     def _next_generation(self) -> int:
@@ -430,12 +432,7 @@ class MicroVMHost:
             for handle, machine in started:
                 if self.config.doorbell:
                     handle.channel.outbox.peer_bell_fd = machine.bell.fileno()
-                reader = point.state_reader()
-                try:
-                    machine.restore(reader)
-                finally:
-                    os.close(reader)
-                machine.ring_bell()
+                point.resume(machine)
         except BaseException:
             for handle, _machine in started:
                 handle.release()

@@ -145,6 +145,26 @@ def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     return result
 
 
+def raise_prepare_failure(reply: dict, what: str) -> None:
+    """Raise what the warm parent (``what``) raised while preparing the env_fns: the
+    original exception with its traceback as a note, or a SandboxStartError."""
+    exc = None
+    if reply.get("exception") is not None:
+        try:
+            exc = cloudpickle.loads(reply["exception"])
+        except Exception:
+            exc = None
+    if isinstance(exc, BaseException):
+        exc.add_note(
+            f"[gym_fork] raised while preparing {what}; its traceback:\n"
+            + reply.get("traceback", "")
+        )
+        raise exc
+    raise SandboxStartError(
+        f"{what} could not prepare the env_fns: {reply.get('error')}\n{reply.get('traceback', '')}"
+    )
+
+
 class ProcessHost:
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
@@ -215,23 +235,7 @@ class ProcessHost:
             raise
         if reply["op"] != "ready":
             self.close()
-            original = reply.get("exception")
-            exc = None
-            if original is not None:
-                try:
-                    exc = cloudpickle.loads(original)
-                except Exception:
-                    exc = None
-            if isinstance(exc, BaseException):
-                exc.add_note(
-                    "[gym_fork] raised while preparing the warm parent; its traceback:\n"
-                    + reply.get("traceback", "")
-                )
-                raise exc
-            raise SandboxStartError(
-                f"the warm parent could not prepare the env_fns: {reply.get('error')}\n"
-                f"{reply.get('traceback', '')}"
-            )
+            raise_prepare_failure(reply, "the warm parent")
         self.pid = reply["pid"]
         self.prepare_seconds = reply.get("prepare_seconds", 0.0)
         self.tree_isolation = reply.get("isolation", {})
