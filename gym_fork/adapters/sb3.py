@@ -1,0 +1,281 @@
+"""A Stable-Baselines3 ``VecEnv`` whose sub-envs run in gym_fork sandboxes.
+
+Install with ``pip install 'gym_fork[sb3]'``. ``ForkVecEnv(env_fns)`` replaces
+``SubprocVecEnv(env_fns)`` / ``DummyVecEnv(env_fns)``; ``fork()`` branches it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from copy import deepcopy
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from stable_baselines3.common.vec_env.base_vec_env import (
+    VecEnv,
+    VecEnvIndices,
+    VecEnvObs,
+    VecEnvStepReturn,
+)
+
+from gym_fork.adapters.bridge import BridgedEnvFn
+from gym_fork.adapters.infos import unbatch_infos
+
+__all__ = ["ForkVecEnv"]
+
+
+def _single(batch: Any, i: int) -> Any:
+    """Sub-env ``i``'s observation out of a batch (arrays, dicts and tuples of them)."""
+    if isinstance(batch, dict):
+        return {key: _single(value, i) for key, value in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_single(value, i) for value in batch)
+    return deepcopy(batch[i])
+
+
+class ForkVecEnv(VecEnv):
+    """SB3 ``VecEnv`` over a :class:`gym_fork.ForkVectorEnv`.
+
+    ``ForkVecEnv(env_fns, **kwargs)`` builds ``ForkVectorEnv(env_fns, **kwargs)`` with
+    ``autoreset_mode=SAME_STEP`` (unless given), each sub-env inside a transparent
+    :class:`~gym_fork.adapters.bridge.SubEnvBridge` so that ``env_method``, ``set_attr``
+    and ``env_is_wrapped`` can target chosen indices. ``ForkVecEnv(vector_env)`` wraps an
+    existing ForkVectorEnv (any autoreset mode) and takes ownership of it: closing the
+    adapter closes it. Without the bridge, calls on a strict subset of the sub-envs raise
+    ``NotImplementedError`` and ``env_is_wrapped`` answers False with a warning.
+
+    SB3 semantics: ``step`` returns the reset observation of a finished sub-env, its
+    last observation in ``infos[i]["terminal_observation"]``, the step's own info,
+    ``infos[i]["TimeLimit.truncated"]`` and ``dones = terminated | truncated``; the reset
+    info goes to ``reset_infos[i]``.
+    """
+
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]] | Any, **vector_kwargs: Any):
+        from gym_fork import ForkVectorEnv
+
+        if isinstance(env_fns, ForkVectorEnv):
+            if vector_kwargs:
+                raise TypeError("ForkVectorEnv keyword arguments need env_fns, not a built env")
+            vector_env = env_fns
+        else:
+            vector_kwargs.setdefault("autoreset_mode", AutoresetMode.SAME_STEP)
+            vector_env = ForkVectorEnv([BridgedEnvFn(fn) for fn in env_fns], **vector_kwargs)
+        self.vector_env = vector_env
+        self.closed = False
+        try:
+            self.bridged = self._has_bridge()
+            super().__init__(
+                vector_env.num_envs,
+                vector_env.single_observation_space,
+                vector_env.single_action_space,
+            )
+        except BaseException:
+            vector_env.close()
+            raise
+
+    @classmethod
+    def from_parent(
+        cls, env_fn: Callable[[], gym.Env], num_envs: int, **parent_kwargs: Any
+    ) -> ForkVecEnv:
+        """``ForkVectorEnv.from_parent`` (one env built and warmed, cloned ``num_envs``
+        times), with ``autoreset_mode=SAME_STEP`` unless given, as an SB3 ``VecEnv``."""
+        from gym_fork import ForkVectorEnv
+
+        parent_kwargs.setdefault("autoreset_mode", AutoresetMode.SAME_STEP)
+        return cls(ForkVectorEnv.from_parent(BridgedEnvFn(env_fn), num_envs, **parent_kwargs))
+
+    def _has_bridge(self) -> bool:
+        # env_fns is public (as on AsyncVectorEnv) and branches carry their source's.
+        env_fns = getattr(self.vector_env, "env_fns", None) or ()
+        return bool(env_fns) and all(isinstance(fn, BridgedEnvFn) for fn in env_fns)
+
+    # -- stepping -------------------------------------------------------------------
+    def reset(self) -> VecEnvObs:
+        """Reset every sub-env with the seeds and options set by ``seed``/``set_options``."""
+        seeds = self._seeds if any(s is not None for s in self._seeds) else None
+        groups: dict[bytes, list[int]] = {}
+        for i, options in enumerate(self._options):
+            groups.setdefault(cloudpickle.dumps(options), []).append(i)
+        if len(groups) == 1:
+            options = deepcopy(self._options[0]) or None
+            obs, infos = self.vector_env.reset(seed=seeds, options=options)
+            self.reset_infos = unbatch_infos(infos, self.num_envs)
+        else:
+            # Gymnasium takes one options dict per reset: one masked reset per distinct one.
+            for members in groups.values():
+                mask = np.zeros(self.num_envs, dtype=np.bool_)
+                mask[members] = True
+                options = {**deepcopy(self._options[members[0]]), "reset_mask": mask}
+                obs, infos = self.vector_env.reset(seed=seeds, options=options)
+                per_env = unbatch_infos(infos, self.num_envs)
+                for i in members:
+                    self.reset_infos[i] = per_env[i]
+        self._reset_seeds()
+        self._reset_options()
+        return obs
+
+    def step_async(self, actions: np.ndarray) -> None:
+        """Send the actions; the sub-envs step while the caller does other work."""
+        self.vector_env.step_async(actions)
+
+    def step_wait(self) -> VecEnvStepReturn:
+        """Wait for the step; finished sub-envs come back already reset (SB3 semantics)."""
+        obs, rewards, terminations, truncations, batched = self.vector_env.step_wait()
+        dones = np.logical_or(terminations, truncations)
+        infos = unbatch_infos(batched, self.num_envs)
+        finished = np.flatnonzero(dones)
+        if self.vector_env.autoreset_mode == AutoresetMode.SAME_STEP:
+            # The sub-env reset inside the step: the top-level info is the reset's, the
+            # step's own info and last observation are under final_info / final_obs.
+            for i in finished:
+                reset_info = infos[i]
+                infos[i] = reset_info.pop("final_info", {})
+                infos[i]["terminal_observation"] = reset_info.pop("final_obs")
+                self.reset_infos[i] = reset_info
+        elif len(finished):
+            # NEXT_STEP would reset at the next step, ignoring its action; SB3 wants the
+            # reset observation now. A masked reset also clears the pending autoreset.
+            for i in finished:
+                infos[i]["terminal_observation"] = _single(obs, i)
+            obs, batched_reset = self.vector_env.reset(options={"reset_mask": dones})
+            reset_infos = unbatch_infos(batched_reset, self.num_envs)
+            for i in finished:
+                self.reset_infos[i] = reset_infos[i]
+        for i, info in enumerate(infos):
+            info["TimeLimit.truncated"] = bool(truncations[i] and not terminations[i])
+        return obs, np.asarray(rewards, dtype=np.float32), dones, infos
+
+    # -- sub-env access ---------------------------------------------------------------
+    def _indices(self, indices: VecEnvIndices) -> list[int]:
+        if indices is None:
+            return list(range(self.num_envs))
+        if isinstance(indices, int | np.integer):
+            return [int(indices)]
+        return [int(i) for i in indices]
+
+    def _subset(self, indices: Iterable[int]) -> bool:
+        return sorted(set(indices)) != list(range(self.num_envs))
+
+    def _select(self, indices: list[int], what: str) -> bool:
+        """Mark the chosen sub-envs for the next bridged call; False when all are chosen."""
+        if not self._subset(indices):
+            return False
+        if not self.bridged:
+            raise NotImplementedError(
+                f"{what} on some sub-envs only needs the sub-envs built by ForkVecEnv "
+                "(ForkVecEnv(env_fns) or ForkVecEnv.from_parent): this one wraps a "
+                "ForkVectorEnv built elsewhere, whose calls reach every sub-env"
+            )
+        chosen = set(indices)
+        self.vector_env.set_attr(
+            "gym_fork_sb3_selected", [i in chosen for i in range(self.num_envs)]
+        )
+        return True
+
+    def has_attr(self, attr_name: str) -> bool:
+        """Whether every sub-env has the attribute (asked without raising in them)."""
+        if self.bridged:
+            return all(self.vector_env.call("gym_fork_sb3_has", attr_name))
+        return super().has_attr(attr_name)
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        """The attribute of each chosen sub-env (a method is returned, not called, where
+        the sub-envs were built by this adapter; Gymnasium's ``get_attr`` calls it)."""
+        if self.bridged:
+            values = self.vector_env.call("gym_fork_sb3_get", attr_name)
+        else:
+            values = self.vector_env.get_attr(attr_name)
+        return [values[i] for i in self._indices(indices)]
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        """Set ``attr_name = value`` on each chosen sub-env."""
+        chosen = self._indices(indices)
+        only = self._select(chosen, "set_attr")
+        if self.bridged:
+            self.vector_env.call("gym_fork_sb3_set", attr_name, value, only)
+        else:
+            # A list or tuple would be read by Gymnasium as one value per sub-env.
+            self.vector_env.set_attr(attr_name, [value] * self.num_envs)
+
+    def env_method(
+        self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs
+    ) -> list[Any]:
+        """Call a method on each chosen sub-env (only those) and return the results."""
+        chosen = self._indices(indices)
+        only = self._select(chosen, "env_method")
+        if self.bridged:
+            results = self.vector_env.call(
+                "gym_fork_sb3_call", method_name, method_args, method_kwargs, only
+            )
+        else:
+            results = self.vector_env.call(method_name, *method_args, **method_kwargs)
+        return [results[i] for i in chosen]
+
+    def env_is_wrapped(
+        self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None
+    ) -> list[bool]:
+        """Whether each chosen sub-env has a ``wrapper_class`` in its wrapper chain."""
+        chosen = self._indices(indices)
+        if not self.bridged:
+            warnings.warn(
+                "env_is_wrapped cannot look into sub-envs built outside ForkVecEnv: "
+                "answering False",
+                stacklevel=2,
+            )
+            return [False] * len(chosen)
+        results = self.vector_env.call("gym_fork_sb3_is_wrapped", wrapper_class)
+        return [bool(results[i]) for i in chosen]
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        """One ``rgb_array`` frame per sub-env."""
+        if self.render_mode != "rgb_array":
+            warnings.warn(
+                f"get_images needs render_mode='rgb_array', the sub-envs have {self.render_mode!r}",
+                stacklevel=2,
+            )
+            return [None] * self.num_envs
+        return list(self.vector_env.render())
+
+    # -- gym_fork -----------------------------------------------------------------------
+    def fork(
+        self,
+        branch_id: str,
+        indices: Sequence[int] | None = None,
+        copies: int = 1,
+        reseed: int | Sequence[int | None] | None = None,
+    ) -> ForkVecEnv:
+        """Branch running sub-envs (see :meth:`gym_fork.ForkVectorEnv.fork`) as a new
+        ``ForkVecEnv``; stepped with the source's actions it replays the source exactly.
+
+        Stateful SB3 wrappers around this env (``VecNormalize``, ``VecFrameStack``,
+        ``VecMonitor``) are not part of the branch: wrap it again, copying their state
+        where it matters (e.g. ``VecNormalize.obs_rms``).
+        """
+        branch = self.vector_env.fork(branch_id, indices, copies, reseed)
+        sources = [
+            i for i in (range(self.num_envs) if indices is None else indices) for _ in range(copies)
+        ]
+        adapter = ForkVecEnv(branch)
+        adapter.reset_infos = [deepcopy(self.reset_infos[i]) for i in sources]
+        return adapter
+
+    @property
+    def lineage(self):
+        """Provenance of the underlying ForkVectorEnv (see ``ForkVectorEnv.lineage``)."""
+        return self.vector_env.lineage
+
+    def close(self) -> None:
+        """Close the sub-envs and their sandboxes."""
+        if not self.closed:
+            self.closed = True
+            self.vector_env.close()
+
+    def __enter__(self) -> ForkVecEnv:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

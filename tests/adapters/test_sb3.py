@@ -1,0 +1,265 @@
+"""The Stable-Baselines3 adapter: SB3's VecEnv contract, checked against DummyVecEnv."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("stable_baselines3", reason="needs the sb3 extra (stable-baselines3)")
+
+from gymnasium.vector import AutoresetMode
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import (
+    DummyVecEnv,
+    VecCheckNan,
+    VecEnv,
+    VecFrameStack,
+    VecMonitor,
+    VecNormalize,
+)
+
+from gym_fork import ForkVectorEnv
+from gym_fork.adapters import ForkVecEnv, unbatch_infos
+from tests.adapters.envs import counting_env, dict_env, short_cartpole
+
+N = 4
+
+
+@pytest.fixture
+def closing():
+    """Closes every env handed to it, even when the test fails."""
+    envs: list[Any] = []
+    yield lambda env: envs.append(env) or env
+    for env in reversed(envs):
+        env.close()
+
+
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """Equal values of equal types, arrays with equal dtypes; Monitor's clock ignored."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict), where
+        ignore = {"t"} if where.endswith("episode") else set()
+        assert set(got) - ignore == set(want) - ignore, where
+        for key in set(want) - ignore:
+            assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list | tuple):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, np.ndarray | np.generic):
+        assert isinstance(got, np.ndarray | np.generic), where
+        assert got.dtype == want.dtype, where
+        np.testing.assert_array_equal(got, want, err_msg=where)
+    else:
+        assert type(got) is type(want), f"{where}: {type(got)} vs {type(want)}"
+        assert got == want, where
+
+
+def check_vec_env_output(env: VecEnv, obs, rewards, dones, infos) -> None:
+    """What SB3's algorithms and buffers rely on in every step result."""
+    space = env.observation_space
+    assert len(infos) == env.num_envs and all(isinstance(i, dict) for i in infos)
+    assert rewards.shape == (env.num_envs,) and dones.shape == (env.num_envs,)
+    assert dones.dtype == np.bool_
+    if isinstance(obs, np.ndarray):
+        assert obs.shape == (env.num_envs, *space.shape) and obs.dtype == space.dtype
+    # VecNormalize moves observations out of the declared space by design, and
+    # VecFrameStack declares its bounds in another order than it stacks.
+    raw = env.unwrapped is env or isinstance(env, VecMonitor)
+    for i in range(env.num_envs):
+        single = {k: v[i] for k, v in obs.items()} if isinstance(obs, dict) else obs[i]
+        assert not raw or space.contains(single), f"obs of sub-env {i} outside {space}"
+        assert "TimeLimit.truncated" in infos[i]
+        if dones[i]:
+            assert not raw or space.contains(infos[i]["terminal_observation"])
+
+
+def run_side_by_side(envs: list[VecEnv], steps: int, seed: int = 0) -> int:
+    """Seed, reset and step every env with the same random actions; compare all outputs.
+
+    Returns how many episode ends were seen, so callers can check the run covered them.
+    """
+    for env in envs:
+        env.seed(seed)
+    first = [env.reset() for env in envs]
+    for obs in first[1:]:
+        assert_same(obs, first[0], "reset obs")
+    for env in envs[1:]:
+        assert_same(env.reset_infos, envs[0].reset_infos, "reset_infos")
+    rng = np.random.default_rng(seed)
+    space = envs[0].action_space
+    ends = 0
+    for step in range(steps):
+        actions = np.array([rng.integers(space.n) for _ in range(envs[0].num_envs)])
+        results = [env.step(actions) for env in envs]
+        check_vec_env_output(envs[0], *results[0])
+        for result, env in zip(results[1:], envs[1:], strict=True):
+            names = ("obs", "rew", "done", "infos")
+            for got, want, name in zip(result, results[0], names, strict=True):
+                assert_same(got, want, f"step {step} {name}")
+            assert_same(env.reset_infos, envs[0].reset_infos, f"step {step} reset_infos")
+        ends += int(results[0][2].sum())
+    return ends
+
+
+def test_unbatch_infos_follows_masks():
+    infos = {
+        "a": np.array([1, 0, 3]),
+        "_a": np.array([True, False, True]),
+        "obj": np.array([None, "x", None], dtype=object),
+        "_obj": np.array([False, True, False]),
+        "ep": {"r": np.array([0.0, 2.5, 0.0]), "_r": np.array([False, True, False])},
+        "_ep": np.array([False, True, False]),
+    }
+    got = unbatch_infos(infos, 3)
+    assert got == [{"a": 1}, {"obj": "x", "ep": {"r": 2.5}}, {"a": 3}]
+    assert type(got[0]["a"]) is int and type(got[1]["ep"]["r"]) is float
+
+
+@pytest.mark.parametrize("make_env", [short_cartpole, dict_env], ids=["cartpole", "dict"])
+def test_steps_match_dummy_vec_env(make_env, closing):
+    fork = closing(ForkVecEnv([make_env] * N))
+    dummy = closing(DummyVecEnv([make_env] * N))
+    assert fork.vector_env.autoreset_mode == AutoresetMode.SAME_STEP
+    assert fork.observation_space == dummy.observation_space
+    assert fork.action_space == dummy.action_space
+    assert run_side_by_side([dummy, fork], steps=40) >= 5
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.DISABLED])
+def test_wrapping_an_existing_vector_env_in_other_autoreset_modes(mode, closing):
+    fork = closing(ForkVecEnv(ForkVectorEnv([dict_env] * N, autoreset_mode=mode)))
+    dummy = closing(DummyVecEnv([dict_env] * N))
+    assert not fork.bridged
+    assert run_side_by_side([dummy, fork], steps=30, seed=7) >= 5
+    # Calls reach every sub-env of a ForkVectorEnv built elsewhere: a subset is refused.
+    with pytest.raises(NotImplementedError, match="some sub-envs"):
+        fork.env_method("add", 1, indices=[0])
+    assert fork.env_method("add", 1) == dummy.env_method("add", 1)
+    with pytest.raises(TypeError):
+        ForkVecEnv(fork.vector_env, copy=False)
+
+
+def test_sub_env_access(closing):
+    fork = closing(ForkVecEnv([counting_env] * N))
+    dummy = closing(DummyVecEnv([counting_env] * N))
+    for env in (fork, dummy):
+        env.seed(3)
+        env.set_options([{"note": f"n{i % 2}"} for i in range(N)])  # two distinct options
+        env.reset()
+        env.step(np.zeros(N, dtype=np.int64))
+    assert_same(fork.reset_infos, dummy.reset_infos, "reset_infos")
+    assert [info["note"] for info in fork.reset_infos] == ["n0", "n1", "n0", "n1"]
+
+    # env_method and set_attr reach the chosen sub-envs only.
+    assert fork.env_method("bump", 5, indices=[1, 3]) == [5, 5]
+    assert fork.env_method("bump", k=2, indices=2) == [2]
+    assert fork.get_attr("bumps") == [0, 5, 2, 5]
+    fork.set_attr("marker", ["a", "list"], indices=[0])
+    assert fork.get_attr("marker") == [["a", "list"], "initial", "initial", "initial"]
+    fork.set_attr("marker", "all")
+    assert fork.get_attr("marker", indices=[3, 0]) == ["all", "all"]
+    # A method is returned as SB3 does, not called as Gymnasium's get_attr would.
+    assert fork.get_attr("add", indices=[0])[0](1) == dummy.get_attr("add", indices=[0])[0](1)
+    assert fork.has_attr("bumps") and not fork.has_attr("no_such_attribute")
+
+    assert fork.env_is_wrapped(Monitor) == [False] * N
+    assert fork.env_is_wrapped(gym.Wrapper) == dummy.env_is_wrapped(gym.Wrapper)
+    assert fork.get_attr("spec") == dummy.get_attr("spec")
+
+    assert fork.render_mode == "rgb_array"
+    assert_same(list(fork.get_images()), list(dummy.get_images()), "images")
+    assert_same(fork.render(), dummy.render(), "tiled render")
+
+
+def test_monitor_is_seen_through_the_bridge(closing):
+    fork = closing(ForkVecEnv([short_cartpole] * 2))
+    assert fork.env_is_wrapped(Monitor) == [True, True]
+    assert fork.env_is_wrapped(Monitor, indices=[1]) == [True]
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda env: VecMonitor(env),
+        lambda env: VecFrameStack(env, n_stack=3),
+        lambda env: VecNormalize(env, gamma=0.9),
+        lambda env: VecCheckNan(
+            VecNormalize(VecFrameStack(VecMonitor(env), 2)), raise_exception=True
+        ),
+    ],
+    ids=["VecMonitor", "VecFrameStack", "VecNormalize", "stacked"],
+)
+def test_under_sb3_wrappers(wrap, closing):
+    fork = closing(wrap(ForkVecEnv([short_cartpole] * N)))
+    dummy = closing(wrap(DummyVecEnv([short_cartpole] * N)))
+    assert run_side_by_side([dummy, fork], steps=30, seed=1) >= N
+
+
+def test_fork_replays_exactly(closing):
+    source = closing(ForkVecEnv([dict_env] * N))
+    source.seed(11)
+    source.reset()
+    rng = np.random.default_rng(0)
+    for _ in range(7):
+        source.step(rng.integers(3, size=N))
+    branch = closing(source.fork("sb3-branch", indices=[1, 3], copies=2))
+    assert isinstance(branch, ForkVecEnv) and branch.bridged and branch.num_envs == 4
+    assert branch.lineage.parent_branch_id == source.lineage.branch_id
+    picked = [1, 1, 3, 3]
+    assert_same(branch.reset_infos, [source.reset_infos[i] for i in picked], "reset_infos")
+    ends = 0
+    for step in range(25):
+        actions = rng.integers(3, size=N)
+        want = source.step(actions)
+        got = branch.step(actions[picked])
+        want_obs = {key: value[picked] for key, value in want[0].items()}
+        assert_same(got[0], want_obs, f"step {step} obs")
+        assert_same(got[1], want[1][picked], f"step {step} rewards")
+        assert_same(got[2], want[2][picked], f"step {step} dones")
+        assert_same(got[3], [want[3][i] for i in picked], f"step {step} infos")
+        ends += int(got[2].sum())
+    assert ends >= 3
+    assert branch.env_method("add", 1, indices=[0]) == [source.env_method("add", 1)[1]]
+
+
+def test_make_vec_env_builds_it(closing):
+    env = closing(make_vec_env("CartPole-v1", n_envs=2, seed=5, vec_env_cls=ForkVecEnv))
+    assert isinstance(env, ForkVecEnv) and env.env_is_wrapped(Monitor) == [True, True]
+    assert env.reset().shape == (2, 4)
+
+
+@pytest.mark.slow
+def test_ppo_learns_cartpole(closing):
+    """PPO on 8 sandboxed CartPoles reaches a mean return >= 150 within 30k steps."""
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    torch.set_num_threads(1)
+    env = closing(make_vec_env("CartPole-v1", n_envs=8, seed=0, vec_env_cls=ForkVecEnv))
+    model = PPO(
+        "MlpPolicy",
+        env,
+        n_steps=32,
+        batch_size=256,
+        n_epochs=20,
+        gamma=0.98,
+        gae_lambda=0.8,
+        learning_rate=1e-3,
+        ent_coef=0.0,
+        seed=0,
+        device="cpu",
+    )
+    start = time.monotonic()
+    model.learn(total_timesteps=30_000)
+    elapsed = time.monotonic() - start
+    eval_env = closing(make_vec_env("CartPole-v1", n_envs=4, seed=100, vec_env_cls=ForkVecEnv))
+    mean_return, _ = evaluate_policy(model, eval_env, n_eval_episodes=12, deterministic=True)
+    print(f"PPO CartPole-v1: 30k steps in {elapsed:.1f} s, mean return {mean_return:.1f}")
+    assert mean_return >= 150
