@@ -99,7 +99,7 @@ def measure(name: str, make, expr: str, cold_runs: int, clone_runs: int) -> dict
             fork.append(time.perf_counter() - start)
             branch.close()
         fan, pss = [], []
-        tree = [envs._host.pid, *envs.worker_pids]  # the warm parent and the source
+        tree = [envs.sandboxes.host.pid, *envs.worker_pids]  # the warm parent and the source
         for i in range(3):
             before = sum(pss_kb(p) for p in tree)
             start = time.perf_counter()

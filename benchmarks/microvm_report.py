@@ -90,7 +90,7 @@ def main() -> None:
     started = time.perf_counter()
     envs = ForkVectorEnv.from_parent(cartpole, 1, seed=0, host="microvm", lineage_log=False)
     first = time.perf_counter() - started
-    host = envs._host
+    host = envs.sandboxes.host
     report = envs.isolation
     print(f"accelerator: {report['accelerator']} ({report['accelerator_reason']})")
     print(f"guest: kernel {report['guest_kernel']}, {envs.vm_memory_mb} MiB RAM, 1 vCPU")

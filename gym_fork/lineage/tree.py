@@ -111,10 +111,6 @@ class Lineage:
     def baseline_id(self) -> str:
         return self.tree.baseline_id
 
-    @property
-    def log_path(self):
-        return self.tree.log.path
-
     def children(self) -> list[str]:
         return [b for b, r in self.tree.branches.items() if r.parent_branch_id == self.branch_id]
 

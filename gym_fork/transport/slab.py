@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from .region import Region
+from .region import Region, seal_memfd
 
 _ALIGN = 64
 
@@ -235,8 +235,9 @@ class Slab:
 
     ``observation_space`` / ``action_space`` are the *single* spaces. ``region_fd`` maps
     a memfd made elsewhere (from ``region_offset``: /dev/mem in a VM); its ``owner``
-    sizes it first. Either may have no
-    slab layout (``observations``/``actions`` is then None and values use the ring).
+    sizes it first (to ``size`` when that is larger than the layout) and seals it.
+    Either space may have no slab layout (``observations``/``actions`` is then None and
+    values use the ring).
     Rewards (float64) and termination/truncation flags (bool) always live here.
     """
 
@@ -251,6 +252,7 @@ class Slab:
         region_fd: int | None = None,
         region_offset: int = 0,
         owner: bool = False,
+        size: int | None = None,
     ) -> None:
         self.num_envs = num_envs
         self.observations = slab_node(observation_space, num_envs) if use_observations else None
@@ -267,9 +269,11 @@ class Slab:
             if region_fd is None:
                 region = Region(self.nbytes, name="gym_fork-slab")
             else:
-                # Only ever grow: a VM may map the same memfd with a larger, fixed size.
-                if owner and os.fstat(region_fd).st_size < self.nbytes:
-                    os.ftruncate(region_fd, self.nbytes)
+                if owner:
+                    # Sized once (a VM maps a larger, fixed size), then sealed: no sandbox
+                    # holding the fd can shrink it under the controller's mapping.
+                    os.ftruncate(region_fd, max(self.nbytes, size or 0))
+                    seal_memfd(region_fd)
                 region = Region.attach(region_fd, self.nbytes, region_offset)
         self.region = region
         offset = 0

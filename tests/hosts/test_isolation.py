@@ -137,12 +137,13 @@ def test_missing_layers_are_reported_and_only_the_unavailable_ones_warned_once(m
     # A host that cannot give a layer the caller wants: warned once, naming it.
     envs = sandboxes(1)
     try:
+        from gym_fork.vector.provenance import warn_missing_isolation
+
         fake = {"missing": {"pid": "by design", "mount": "unshare failed (EPERM)"}}
-        monkeypatch.setattr(ForkVectorEnv, "isolation", property(lambda self: fake))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            envs._warn_missing_isolation()
-            envs._warn_missing_isolation()
+            warn_missing_isolation(envs.config, fake)
+            warn_missing_isolation(envs.config, fake)
         texts = [str(w.message) for w in caught if "run without" in str(w.message)]
         assert len(texts) == 1 and "mount (unshare failed (EPERM))" in texts[0]
         assert "pid" not in texts[0]

@@ -211,7 +211,7 @@ def test_an_idle_guest_sleeps_on_its_doorbell_and_wakes_for_the_next_step():
     envs = probe_envs(1)
     try:
         envs.reset(seed=0)
-        requests = envs._workers[0].channel.outbox
+        requests = envs.sandboxes.pool.workers[0].channel.outbox
         assert wait_until(requests.reader_sleeps, timeout=5.0), "the guest kept polling"
         _, _, _, _, infos = envs.step(np.array([0]))
         assert infos["counter"][0] == 1

@@ -138,7 +138,7 @@ def test_a_dead_warm_parent_is_replaced_by_a_cold_launch(tmp_path):
     envs = ForkVectorEnv.from_parent(FaultyEnv, 2, lineage_log=tmp_path / "log.jsonl")
     try:
         envs.reset(seed=0)
-        old_parent = envs._host.pid
+        old_parent = envs.sandboxes.host.pid
         workers = envs.worker_pids
         os.kill(old_parent, signal.SIGKILL)
         # Its sandboxes die with it (PR_SET_PDEATHSIG).
@@ -146,7 +146,7 @@ def test_a_dead_warm_parent_is_replaced_by_a_cold_launch(tmp_path):
         with pytest.raises(SubEnvCrashed):
             envs.step(np.array([0, 0]))
         obs, _ = envs.reset(seed=0)
-        assert obs.shape == (2, 2) and envs._host.pid != old_parent
+        assert obs.shape == (2, 2) and envs.sandboxes.host.pid != old_parent
         envs.step(np.array([0, 0]))
         kinds = [e["event"] for e in envs.lineage.record.events]
         assert "replaced_warm_parent" in kinds
@@ -158,7 +158,7 @@ def test_a_sandbox_writing_garbage_into_its_ring_is_named_and_killed():
     envs = ForkVectorEnv([FaultyEnv] * 2, envs_per_worker=1, lineage_log=False)
     try:
         envs.reset(seed=0)
-        victim = envs._workers[1]
+        victim = envs.sandboxes.pool.workers[1]
         # Play a hostile sandbox: scribble over its reply ring's first record header.
         envs.step_async(np.array([0, 0]))
         time.sleep(0.2)
@@ -181,7 +181,7 @@ def test_interpreter_exit_without_close_cleans_up():
         envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")] * 2, envs_per_worker=1,
                              lineage_log=False)
         envs.reset(seed=0)
-        print(envs._host.pid, *envs.worker_pids, flush=True)
+        print(envs.sandboxes.host.pid, *envs.worker_pids, flush=True)
         # no close()
         """
     )

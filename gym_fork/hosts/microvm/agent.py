@@ -20,12 +20,13 @@ import time
 import traceback
 from typing import Any
 
+from gym_fork.hosts.base import prepare_failure
 from gym_fork.hosts.microvm.doorbell import find_port
-from gym_fork.hosts.process.parent import WarmParent, _pickled
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P
-from gym_fork.worker.loop import Worker, _reseed
+from gym_fork.worker.loop import NO_REPLY, Worker, reseed_env
+from gym_fork.worker.prepare import EnvRecipe
 
 RNDRESEEDCRNG = 0x5207  # ioctl: make the kernel's RNG draw from its pool now
 
@@ -93,17 +94,12 @@ class GuestWorker(Worker):
     """The worker loop with the slab in guest-physical memory and a REBIND for clones."""
 
     def __init__(self, channel: Channel, spec: dict[str, Any], make_env, generation: int):
-        super().__init__(
-            channel, -1, None, spec["indices"], spec["origins"], make_env, warm_parent=0
-        )
+        super().__init__(channel, spec["indices"], spec["origins"], make_env)
         self.generation = generation
         self.isolation = guest_report(generation)
 
-    def attach(self, arg: dict[str, Any]) -> list[Any]:
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
-        return super().attach(arg)
+    def extra_handlers(self):
+        return {P.REBIND: self.rebind}
 
     def open_slab(self, obs_space, act_space, num_envs: int, use_observations: bool) -> Slab:
         return Slab(
@@ -115,7 +111,7 @@ class GuestWorker(Worker):
             region_offset=int(_cmdline_value("gym_fork.slab"), 16),
         )
 
-    def rebind(self, arg: dict[str, Any]) -> None:
+    def rebind(self, arg: dict[str, Any]) -> tuple[object, None]:
         """Become the branch sub-env ``arg['index']`` (a restored clone of a worker)."""
         refresh_clock(arg["time_ns"])
         self.generation = arg["generation"]
@@ -128,10 +124,11 @@ class GuestWorker(Worker):
         slot.index = arg["index"]
         self.indices = [arg["index"]]
         if arg.get("seed") is not None:
-            _reseed(slot.env, arg["seed"])
+            reseed_env(slot.env, arg["seed"])
             reseed_kernel(arg["seed"])
         self.attach(dict(self.attach_arg, num_envs=arg["num_envs"]))
-        self.channel.send([P.HELLO, 0, self._identity(), None])
+        self.channel.send([P.HELLO, 0, self.identity(), None])
+        return NO_REPLY, None
 
 
 def main() -> None:
@@ -151,33 +148,20 @@ def main() -> None:
     channel.send({"op": "booted"})
     # First branch point: booted, imports done. The controller freezes the VM here once
     # per image and restores a copy of it for every warm parent it needs.
-    parent = WarmParent(None)
+    recipe = EnvRecipe()
     message = channel.recv()
     try:
         fresh_start(message)
-        parent.prepare(message)
+        recipe.prepare(message)
     except Exception as exc:
-        channel.send(
-            {
-                "op": "error",
-                "error": f"{type(exc).__name__}: {exc}",
-                "exception": _pickled(exc),
-                "traceback": traceback.format_exc(),
-            }
-        )
+        channel.send(prepare_failure(exc))
         return
-    channel.send(
-        {
-            "op": "ready",
-            "prepare_seconds": parent.prepare_seconds,
-            "isolation": guest_report(0),
-        }
-    )
+    channel.send({"op": "ready", "isolation": guest_report(0)})
     # The branch point: the controller freezes this VM while it waits here.
     order = channel.recv()
     refresh_clock(order["time_ns"])
-    worker = GuestWorker(channel, order, parent.make_env, order["generation"])
-    if worker.hello(parent._attach_arg(order.get("attach"))):
+    worker = GuestWorker(channel, order, recipe.make_env, order["generation"])
+    if worker.hello(recipe.attach_arg(order.get("attach"))):
         worker.run()
 
 

@@ -26,15 +26,24 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
-
 from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.base import (
+    AskWorker,
+    CloneOrder,
+    HostConfig,
+    IsolationReport,
+    SharedByBranches,
+    WorkerHandle,
+    WorkerSpec,
+    init_message,
+    raise_prepare_failure,
+)
 from gym_fork.hosts.microvm.accel import choose_accel
 from gym_fork.hosts.microvm.image import GuestImage, build_image
 from gym_fork.hosts.microvm.machine import (
@@ -45,11 +54,10 @@ from gym_fork.hosts.microvm.machine import (
     new_memfd,
 )
 from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
-from gym_fork.hosts.process.host import WorkerHandle, WorkerSpec, raise_prepare_failure
-from gym_fork.hosts.process.output import OutputCollector
-from gym_fork.system.isolation import IsolationConfig, SandboxLimits
+from gym_fork.hosts.output import OutputCollector
+from gym_fork.system.isolation import SandboxLimits
 from gym_fork.system.linux import ProcessWatch
-from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel, region_bytes
+from gym_fork.transport.channel import Channel, region_bytes
 from gym_fork.worker import protocol as P
 
 DEFAULT_MEMORY_MB = 256
@@ -60,18 +68,6 @@ DEFAULT_SLAB_MB = 16
 BOOT_TIMEOUT_S = 600.0  # TCG boots and imports numpy/gymnasium in ~10 s; keep a margin
 
 _EXIT_LINE = re.compile(r"gym_fork-guest-exit (\d+)")
-
-
-@dataclass
-class VMWorkerHandle(WorkerHandle):
-    """A worker sandbox that is a VM: ``pid`` is its QEMU process."""
-
-    machine: Machine | None = None
-
-    def release(self) -> None:
-        if self.machine is not None:
-            self.machine.kill()
-        super().release()
 
 
 @dataclass
@@ -222,26 +218,30 @@ def _boot(config: MachineConfig, timeout: float) -> BranchPoint:
     return point
 
 
-class MicroVMHost:
+@dataclass
+class _VMSandbox:
+    """What the microVM host keeps per worker sandbox: its QEMU."""
+
+    machine: Machine
+
+    def close(self) -> None:
+        self.machine.kill()
+
+
+class MicroVMHost(SharedByBranches):
     """Boots the warm parent VM once, freezes it, and restores clones of it."""
 
     kind = "microvm"
 
     def __init__(
         self,
-        env_fns,
+        config: HostConfig,
         *,
-        prepare: tuple | None = None,
-        prepare_in_sandbox: bool = False,
-        isolation: IsolationConfig | None = None,
-        start_timeout: float | None = None,
         echo_output: bool = True,
-        ring_capacity: int = DEFAULT_RING_BYTES,
-        memory_mb: int = DEFAULT_MEMORY_MB,
-        slab_mb: int = DEFAULT_SLAB_MB,
         image: GuestImage | None = None,
     ) -> None:
-        self.isolation_config = isolation or IsolationConfig()
+        isolation = config.isolation
+        self.isolation_config = isolation
         if self.isolation_config.network:
             raise ValueError(
                 "host='microvm' has no guest network (the VMs get no NIC): network=True "
@@ -259,6 +259,8 @@ class MicroVMHost:
         self._generation = 0
         self.template: BranchPoint | None = None
         self.pid = -1
+        self.gpu_pid: int | None = None  # a clone is a restored VM, not a forked process
+        self.trusted = config.trusted
         missing = missing_requirements()
         if missing:
             self.output.close()
@@ -275,28 +277,25 @@ class MicroVMHost:
         self.config = MachineConfig(
             self.image,
             self.accel,
-            memory_mb,
-            region_bytes(ring_capacity),
-            slab_mb << 20,
-            ring_capacity,
+            config.vm_memory_mb,
+            region_bytes(config.ring_capacity),
+            config.vm_slab_mb << 20,
+            config.ring_capacity,
             # GYM_FORK_VM_DOORBELL=0: idle guests keep polling (for measurements)
             doorbell=os.environ.get("GYM_FORK_VM_DOORBELL", "1") != "0",
         )
+        self.slab_min_bytes = self.config.slab_bytes  # sparse: costs nothing unused
         self._die_with_controller = controller_is_main_thread()
         try:
-            self._boot_parent(env_fns, prepare, prepare_in_sandbox, start_timeout)
+            self._boot_parent(config)
         except BaseException:
             self.close()
             raise
 
     # -- the warm parent --------------------------------------------------------------
-    def _boot_parent(self, env_fns, prepare, prepare_in_sandbox, start_timeout) -> None:
-        from gymnasium.envs.registration import registry
-
-        try:
-            payload = cloudpickle.dumps(list(env_fns))
-        except Exception as exc:
-            raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
+    def _boot_parent(self, host_config: HostConfig) -> None:
+        message = init_message(host_config)
+        start_timeout = host_config.start_timeout
         started = time.perf_counter()
         boot, self.boot_seconds = boot_template(self.config, start_timeout or BOOT_TIMEOUT_S)
         restoring = time.perf_counter()
@@ -306,19 +305,7 @@ class MicroVMHost:
         copy_data(boot.ram_fd, ram_fd)  # the parent writes its own RAM: not the boot image's
         channel = Channel.create("warm parent VM", self.config.ring_capacity, poll=True)
         channel.set_positions(boot.positions)
-        channel.send(
-            {
-                "op": "init",
-                "env_fns": payload,
-                "sys_path": list(sys.path),
-                "cwd": os.getcwd(),
-                "registry": cloudpickle.dumps(dict(registry)),
-                "prepare": None if prepare is None else cloudpickle.dumps(prepare),
-                "prepare_in_sandbox": prepare_in_sandbox,
-                "time_ns": time.time_ns(),
-                "entropy": os.urandom(32),
-            }
-        )
+        channel.send({**message, "time_ns": time.time_ns(), "entropy": os.urandom(32)})
         try:
             machine = _start_slabless(
                 self.config,
@@ -337,7 +324,6 @@ class MicroVMHost:
             boot.resume(machine)
             self.restore_seconds = time.perf_counter() - restoring
             reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
-            self.prepare_seconds = reply.get("prepare_seconds", 0.0)
             self.guest = reply.get("isolation", {})
             saving = time.perf_counter()
             machine.save(state_fd)
@@ -370,7 +356,7 @@ class MicroVMHost:
                         f"the warm parent VM was not ready within {timeout} s ({self.accel})"
                     ) from None
         if reply.get("op") != "ready":
-            raise_prepare_failure(reply, "the warm parent VM")
+            raise_prepare_failure(reply, "the warm parent VM", trusted=self.trusted)
         return reply
 
     # -- clones ---------------------------------------------------------------------
@@ -381,13 +367,11 @@ class MicroVMHost:
 
     def _restore_clones(
         self, point: BranchPoint, slab_fd: int, orders: list[tuple[WorkerSpec, dict]]
-    ) -> list[VMWorkerHandle]:
+    ) -> list[WorkerHandle]:
         """Start one QEMU per order on ``point``; each finds its order in its channel."""
-        if os.fstat(slab_fd).st_size < self.config.slab_bytes:
-            os.ftruncate(slab_fd, self.config.slab_bytes)  # sparse: costs nothing unused
         for pid in [pid for pid, m in self._machines.items() if not m.alive()]:
             del self._machines[pid]  # released ones (kill() reaped them)
-        started: list[tuple[VMWorkerHandle, Machine]] = []
+        started: list[tuple[WorkerHandle, Machine]] = []
         try:
             for spec, order in orders:
                 channel = Channel.create(spec.name, self.config.ring_capacity, poll=True)
@@ -416,16 +400,15 @@ class MicroVMHost:
                     os.close(out_w)
                     os.close(err_w)
                 self.output.watch(str(machine.pid), out_r, err_r)
-                handle = VMWorkerHandle(
+                handle = WorkerHandle(
                     spec.name,
                     list(spec.indices),
                     channel,
                     machine.pid,
                     ProcessWatch(machine.pid),
-                    None,
                     list(spec.origins),
                     output=self.output,
-                    machine=machine,
+                    host_data=_VMSandbox(machine),
                 )
                 self._machines[machine.pid] = machine
                 started.append((handle, machine))
@@ -441,7 +424,7 @@ class MicroVMHost:
 
     def spawn(
         self,
-        specs: list[WorkerSpec],
+        specs: Sequence[WorkerSpec],
         slab_fd: int,
         ring_capacity: int,
         attach: bytes | None = None,
@@ -471,41 +454,43 @@ class MicroVMHost:
     def fork(
         self,
         source: WorkerHandle,
-        clones: list[tuple[WorkerSpec, int, int, int | None]],
+        orders: Sequence[CloneOrder],
         num_envs: int,
         slab_fd: int,
         ring_capacity: int,
+        ask: AskWorker,
     ) -> list[WorkerHandle]:
         """Clone the running sandbox ``source`` (idle: no request in flight).
 
-        ``clones`` lists ``(spec, source_index, branch_index, seed)``. The source's private RAM is
-        copied once into a new frozen branch point; the source then resumes.
+        The source's private RAM is copied once into a new frozen branch point; the
+        source then resumes. (``ask`` is not needed: the controller copies the VM.)
         """
         self._check_capacity(ring_capacity)
-        machine = source.machine
+        self.check_slab(os.fstat(slab_fd).st_size)
+        machine = source.host_data.machine if source.host_data is not None else None
         if machine is None or not machine.alive():
             raise SandboxStartError(f"fork: the VM of {source.name} is not running")
         point = self._freeze_copy(machine, source.channel)
         try:
-            orders = [
+            rebinds = [
                 (
-                    spec,
+                    order.spec,
                     [
                         P.REBIND,
                         0,
                         {
-                            "source": source_index,
-                            "index": branch_index,
-                            "seed": seed,
+                            "source": order.source_index,
+                            "index": order.branch_index,
+                            "seed": order.seed,
                             "num_envs": num_envs,
                             "generation": self._next_generation(),
                             "time_ns": time.time_ns(),
                         },
                     ],
                 )
-                for spec, source_index, branch_index, seed in clones
+                for order in orders
             ]
-            return self._restore_clones(point, slab_fd, orders)
+            return self._restore_clones(point, slab_fd, rebinds)
         except (MachineError, OSError) as exc:
             raise SandboxStartError(f"fork of {source.name}: {exc}") from exc
         finally:
@@ -576,7 +561,7 @@ class MicroVMHost:
             )
 
     def check_slab(self, nbytes: int) -> None:
-        """A vector env's slab must fit the slab BAR every VM of this host has."""
+        """A vector env's slab must fit the slab device (a pc-dimm) every VM of this host has."""
         if nbytes > self.config.slab_bytes:
             raise ValueError(
                 f"the batch slab needs {nbytes} bytes; the sandboxes of this microVM host "
@@ -588,17 +573,9 @@ class MicroVMHost:
         """The frozen parent exists as long as this host is open."""
         return self.template is not None and self.template.ram_fd >= 0
 
-    def acquire(self) -> MicroVMHost:
-        self._users += 1
-        return self
-
-    def release(self) -> None:
-        self._users -= 1
-        if self._users <= 0:
-            self.close()
-
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, worker: WorkerHandle) -> int | None:
         """The guest worker's exit status if it reported one, else QEMU's."""
+        pid = worker.pid
         tail = self.output.tail(str(pid), "stderr") if self.output is not None else ""
         found = _EXIT_LINE.findall(tail)
         if found:
@@ -608,30 +585,32 @@ class MicroVMHost:
             return None
         return machine.process.poll()
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
+    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
         """What separates sandboxes here, measured inside a guest (its HELLO report)."""
         guest = (sandbox or {}) or self.guest
         with open("/proc/sys/kernel/random/boot_id") as f:
             host_boot_id = f.read().strip()
         own_kernel = bool(guest) and guest.get("boot_id") != host_boot_id
         interfaces = guest.get("network_interfaces", [])
-        return {
-            "host": self.kind,
-            "accelerator": self.accel,
-            "accelerator_reason": self.accel_reason,
-            "process": True,
-            "kernel": "own" if own_kernel else "unknown",
-            "guest_kernel": guest.get("kernel"),
-            "address_space": "copy-on-write guest RAM (MAP_PRIVATE over the branch point)",
-            "disk": "read-only image, private tmpfs overlay in guest RAM",
-            "network": "off" if not interfaces else f"interfaces {interfaces}",
-            "namespaces": {"mount": False, "ipc": False, "uts": False, "net": False, "pid": False},
-            "private_tmp": True,
-            "no_new_privs": False,
-            "limits": {"memory_mb": self.config.memory_mb, "vcpus": 1},
-            "image": self.image.digest,
-            "missing": {} if own_kernel else {"kernel": "the guest did not report its kernel"},
-        }
+        return IsolationReport(
+            host=self.kind,
+            network="off" if not interfaces else f"interfaces {interfaces}",
+            namespaces={"mount": False, "ipc": False, "uts": False, "net": False, "pid": False},
+            private_tmp=True,
+            no_new_privs=False,
+            limits={"memory_mb": self.config.memory_mb, "vcpus": 1},
+            missing={} if own_kernel else {"kernel": "the guest did not report its kernel"},
+            details={
+                "accelerator": self.accel,
+                "accelerator_reason": self.accel_reason,
+                "process": True,
+                "kernel": "own" if own_kernel else "unknown",
+                "guest_kernel": guest.get("kernel"),
+                "address_space": "copy-on-write guest RAM (MAP_PRIVATE over the branch point)",
+                "disk": "read-only image, private tmpfs overlay in guest RAM",
+                "image": self.image.digest,
+            },
+        )
 
     def close(self, timeout: float = 2.0) -> None:
         """Kill every VM this host started and drop the branch point."""

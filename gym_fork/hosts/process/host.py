@@ -9,8 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,80 +17,36 @@ import cloudpickle
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.process.output import OutputCollector
-from gym_fork.system.isolation import IsolationConfig
+from gym_fork.hosts.base import (
+    AskWorker,
+    CloneOrder,
+    HostConfig,
+    IsolationReport,
+    SharedByBranches,
+    WorkerHandle,
+    WorkerSpec,
+    init_message,
+    raise_prepare_failure,
+)
+from gym_fork.hosts.output import OutputCollector
+from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
-from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
+from gym_fork.worker import protocol as P
 
-# Sandboxes per spawn message: each takes SandboxEnds.FDS_PER_SANDBOX fds and the kernel
-# passes at most 253 per message.
+# Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, plus the slab's,
+# and the kernel passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 60
+assert 1 + SPAWN_BATCH * FDS_PER_SANDBOX <= 253
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
-
-
-@dataclass
-class WorkerHandle:
-    """A running worker sandbox as the controller sees it."""
-
-    name: str
-    indices: list[int]
-    channel: Channel
-    pid: int
-    watch: ProcessWatch
-    sock: socket.socket | None = None  # side channel for fds (fork), not the hot path
-    origins: list[int] = field(default_factory=list)
-    output: OutputCollector | None = None
-    awaiting: int = 0  # seq of the reply this worker still owes, 0 if none
-    dead: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def output_tail(self, stream: str = "stderr") -> str:
-        """The last bytes this sandbox wrote on ``stream``."""
-        return self.output.tail(str(self.pid), stream) if self.output is not None else ""
-
-    def alive(self) -> bool:
-        if self.dead:
-            return False
-        if not self.watch.alive():
-            self.dead = True
-        return not self.dead
-
-    def release(self) -> None:
-        """Close the controller's ends of this worker's channel, socket and pidfd.
-
-        The sandbox must be dead or closed: its scratch directory is removed too (when
-        it is a host path; inside a namespaced tree the warm parent removes it).
-        """
-        scratch = self.info.get("scratch")
-        if scratch and not scratch.startswith("/proc/"):
-            remove_scratch(scratch)
-        if self.output is not None:
-            self.output.forget(str(self.pid))
-        self.watch.close()
-        self.channel.close()
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-@dataclass
-class WorkerSpec:
-    """What a new worker sandbox hosts: sub-env ``indices`` built from ``origins``."""
-
-    name: str
-    indices: list[int]
-    origins: list[int]
 
 
 class SandboxEnds:
     """What the controller makes for a new sandbox before it exists: its channel, side
     socket and output pipes. ``fds()`` are handed over (spawn or fork); then
     ``handed_over()`` closes the controller's copies of the sandbox's ends."""
-
-    FDS_PER_SANDBOX = 4
 
     def __init__(self, spec: WorkerSpec, ring_capacity: int, output: OutputCollector) -> None:
         self.spec = spec
@@ -124,9 +79,9 @@ class SandboxEnds:
             self.channel,
             pid,
             ProcessWatch(pid),
-            self.ours,
             list(self.spec.origins),
             output=self.output,
+            host_data=self.ours,  # the side socket: fds for FORK travel on it
         )
 
 
@@ -145,51 +100,24 @@ def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     return result
 
 
-def raise_prepare_failure(reply: dict, what: str) -> None:
-    """Raise what the warm parent (``what``) raised while preparing the env_fns: the
-    original exception with its traceback as a note, or a SandboxStartError."""
-    exc = None
-    if reply.get("exception") is not None:
-        try:
-            exc = cloudpickle.loads(reply["exception"])
-        except Exception:
-            exc = None
-    if isinstance(exc, BaseException):
-        exc.add_note(
-            f"[gym_fork] raised while preparing {what}; its traceback:\n"
-            + reply.get("traceback", "")
-        )
-        raise exc
-    raise SandboxStartError(
-        f"{what} could not prepare the env_fns: {reply.get('error')}\n{reply.get('traceback', '')}"
-    )
-
-
-class ProcessHost:
+class ProcessHost(SharedByBranches):
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
-    ``env_fns`` travel once, with cloudpickle, together with the controller's
-    ``sys.path``, working directory and Gymnasium registry (so that envs registered at
-    run time resolve in the sandbox as they do in the caller).
+    ``env_fns`` travel once, with cloudpickle, in the init message
+    (:func:`gym_fork.hosts.base.init_message`).
     """
 
     kind = "process"
+    slab_min_bytes = 0
 
-    def __init__(
-        self,
-        env_fns,
-        *,
-        prepare: tuple | None = None,
-        prepare_in_sandbox: bool = False,
-        isolation: IsolationConfig | None = None,
-        start_timeout: float | None = None,
-        echo_output: bool = True,
-    ) -> None:
-        self.isolation_config = isolation or IsolationConfig()
-        self.output = OutputCollector(echo=echo_output)
+    def __init__(self, config: HostConfig, *, echo_output: bool = True) -> None:
+        self.config = config
+        self.output: OutputCollector | None = OutputCollector(echo=echo_output)
         raise_fd_limit()
         self._lock = threading.Lock()
-        self._users = 1
+        self.sock: socket.socket | None = None
+        self.watch: ProcessWatch | None = None
+        self.process: subprocess.Popen | None = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -206,38 +134,20 @@ class ProcessHost:
             theirs.close()
         self.sock = ours
         self.watch = ProcessWatch(self.process.pid)
-        from gymnasium.envs.registration import registry
-
         try:
-            payload = cloudpickle.dumps(list(env_fns))
-        except Exception as exc:
-            self.close()
-            raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
-        send_message(
-            self.sock,
-            {
-                "op": "init",
-                "env_fns": payload,
-                "sys_path": list(sys.path),
-                "cwd": os.getcwd(),
-                "registry": cloudpickle.dumps(dict(registry)),
-                "controller_pid": os.getpid(),
-                "die_with_controller": threading.current_thread() is threading.main_thread(),
-                "prepare": None if prepare is None else cloudpickle.dumps(prepare),
-                "prepare_in_sandbox": prepare_in_sandbox,
-                "isolation": cloudpickle.dumps(self.isolation_config),
-            },
-        )
-        try:
-            reply = self._request_reply(start_timeout, what="warm parent start")
-        except SandboxStartError:
+            message = init_message(config)
+            message["controller_pid"] = os.getpid()
+            message["die_with_controller"] = threading.current_thread() is threading.main_thread()
+            message["isolation"] = cloudpickle.dumps(config.isolation)
+            send_message(self.sock, message)
+            reply = self._request_reply(config.start_timeout, what="warm parent start")
+            if reply["op"] != "ready":
+                raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
+        except BaseException:
             self.close()
             raise
-        if reply["op"] != "ready":
-            self.close()
-            raise_prepare_failure(reply, "the warm parent")
-        self.pid = reply["pid"]
-        self.prepare_seconds = reply.get("prepare_seconds", 0.0)
+        self.pid = int(reply["pid"])
+        self.gpu_pid: int | None = self.pid
         self.tree_isolation = reply.get("isolation", {})
 
     def _request_reply(self, timeout: float | None, what: str) -> dict:
@@ -253,19 +163,26 @@ class ProcessHost:
 
     def spawn(
         self,
-        specs: list[WorkerSpec],
+        specs: Sequence[WorkerSpec],
         slab_fd: int,
         ring_capacity: int,
         attach: bytes | None = None,
     ) -> list[WorkerHandle]:
-        """Fork one worker per spec from the warm parent (batched, one message per 100).
+        """Fork one worker per spec from the warm parent (SPAWN_BATCH per message).
 
         ``attach`` (the pickled attach argument) makes the workers attach to the slab
         at once, for replacements whose spaces the controller already knows.
         """
         handles: list[WorkerHandle] = []
-        for start in range(0, len(specs), 100):
-            handles += self._spawn_batch(specs[start : start + 100], slab_fd, ring_capacity, attach)
+        try:
+            for start in range(0, len(specs), SPAWN_BATCH):
+                batch = list(specs[start : start + SPAWN_BATCH])
+                handles += self._spawn_batch(batch, slab_fd, ring_capacity, attach)
+        except BaseException:
+            for handle in handles:
+                handle.kill()
+                handle.release()
+            raise
         return handles
 
     def _spawn_batch(
@@ -301,76 +218,106 @@ class ProcessHost:
             raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
         return [end.handle(pid) for end, pid in zip(ends, reply["pids"], strict=True)]
 
+    def fork(
+        self,
+        source: WorkerHandle,
+        orders: Sequence[CloneOrder],
+        num_envs: int,
+        slab_fd: int,
+        ring_capacity: int,
+        ask: AskWorker,
+    ) -> list[WorkerHandle]:
+        """Ask the worker ``source`` to fork its sub-envs (SPAWN_BATCH per request): the
+        clones' channels, sockets and output pipes travel on its side socket."""
+        handles: list[WorkerHandle] = []
+        try:
+            for start in range(0, len(orders), SPAWN_BATCH):
+                batch = list(orders[start : start + SPAWN_BATCH])
+                handles += self._fork_batch(source, batch, num_envs, slab_fd, ring_capacity, ask)
+        except BaseException:
+            for handle in handles:
+                handle.kill()
+                handle.release()
+            raise
+        return handles
+
+    def _fork_batch(self, source, orders, num_envs, slab_fd, ring_capacity, ask):
+        ends = [SandboxEnds(order.spec, ring_capacity, self.output) for order in orders]
+        fds = [slab_fd]
+        for end in ends:
+            fds += end.fds()
+        clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
+
+        def exchange() -> list[int]:
+            send_message(source.host_data, {"op": "fork"}, fds=tuple(fds))
+            arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
+            return ask(P.FORK, arg)
+
+        pids = hand_over(ends, exchange)
+        return [end.handle(pid) for end, pid in zip(ends, pids, strict=True)]
+
     def alive(self) -> bool:
         """Health check of the warm parent (its sandboxes die with it)."""
         return self.sock is not None and self.process.poll() is None
 
-    def acquire(self) -> ProcessHost:
-        """One more vector env (a root or a branch) uses this warm parent."""
-        self._users += 1
-        return self
-
-    def release(self) -> None:
-        """A user is done; the last one closes the warm parent and its sandboxes."""
-        self._users -= 1
-        if self._users <= 0:
-            self.close()
-
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, worker: WorkerHandle) -> int | None:
         """Exit code of a worker (negative: signal), None if unknown or running."""
+        if self.sock is None:
+            return None
         with self._lock:
             try:
-                send_message(self.sock, {"op": "status", "pid": pid})
-                return self._request_reply(2.0, what="status").get("code")
+                send_message(self.sock, {"op": "status", "pid": worker.pid})
+                code = self._request_reply(2.0, what="status").get("code")
             except (OSError, SandboxStartError, EOFError):
                 return None
+        return code if isinstance(code, int) else None
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
+    def check_slab(self, nbytes: int) -> None:
+        """Any slab fits: it is a memfd of the size the vector env asks for."""
+
+    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
         """What separates sandboxes on this host, as achieved (not as hoped).
 
         ``sandbox`` is the report of one sandbox (its HELLO); without it, the tree's.
         """
         report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
         tree = report.get("tree") or self.tree_isolation.get("tree", {})
+        own = report.get("sandbox", {})
         missing = dict(self.tree_isolation.get("missing", {}))
         missing.update(report.get("missing", {}))
-        return {
-            "host": self.kind,
-            "process": True,
-            "address_space": "copy-on-write fork",
-            "network": "off" if tree.get("net") else "host",
-            "namespaces": {
-                "mount": bool(report.get("sandbox", {}).get("mount")),
-                "ipc": bool(report.get("sandbox", {}).get("ipc")),
+        return IsolationReport(
+            host=self.kind,
+            network="off" if tree.get("net") else "host",
+            namespaces={
+                "mount": bool(own.get("mount")),
+                "ipc": bool(own.get("ipc")),
                 "uts": bool(tree.get("uts")),
                 "net": bool(tree.get("net")),
                 "pid": False,
             },
-            "private_tmp": bool(report.get("sandbox", {}).get("private_tmp")),
-            "no_new_privs": bool(report.get("sandbox", {}).get("no_new_privs")),
-            "limits": report.get("limits", {}),
-            "missing": missing,
-        }
+            private_tmp=bool(own.get("private_tmp")),
+            no_new_privs=bool(own.get("no_new_privs")),
+            limits=report.get("limits", {}),
+            missing=missing,
+            details={"process": True, "address_space": "copy-on-write fork"},
+        )
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
-        sock, self.sock = getattr(self, "sock", None), None
+        sock, self.sock = self.sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 send_message(sock, {"op": "exit"})
             sock.close()
-        process = getattr(self, "process", None)
-        if process is not None:
+        if self.process is not None:
             try:
-                process.wait(timeout)
+                self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        watch = getattr(self, "watch", None)
-        if watch is not None:
-            watch.close()
+                self.process.kill()
+                self.process.wait()
+        if self.watch is not None:
+            self.watch.close()
             self.watch = None
-        output = getattr(self, "output", None)
-        if output is not None:
-            output.close()
+        if self.output is not None:
+            self.output.close()
             self.output = None

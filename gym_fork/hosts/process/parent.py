@@ -12,81 +12,34 @@ exits, killing every sandbox, when the controller closes the control socket or d
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import select
 import signal
 import socket
 import sys
-import time
-import traceback
 
 import cloudpickle
 
+from gym_fork.hosts.base import prepare_failure
+from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX, redirect_output, run_as_sandbox, serve
 from gym_fork.system import cgroups, linux
 from gym_fork.system.isolation import IsolationConfig, isolate_tree
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
-from gym_fork.worker.loop import FDS_PER_SANDBOX, redirect_output, run_as_sandbox, serve
+from gym_fork.worker.prepare import EnvRecipe
 
 
 class WarmParent:
-    """State of the warm parent process: its env_fns, prototype and sandboxes."""
+    """State of the warm parent process: what it prepared, and its sandboxes."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.env_fns = None
-        self.prototype = None  # the prepared env of from_parent, None otherwise
-        self.recipe = None  # (warmup, ready_check, seed) of from_parent
+        self.pid = os.getpid()
+        self.recipe = EnvRecipe()
         self.exit_codes: dict[int, int] = {}
         self.spawned: set[int] = set()
-        self.prepare_seconds = 0.0
-        self._attach_cache: dict[bytes, dict] = {}
         self.isolation_config = IsolationConfig()
         self.tree_isolation = None
-
-    def prepare(self, message: dict) -> None:
-        start = time.perf_counter()
-        sys.path[:] = message["sys_path"]
-        with contextlib.suppress(OSError):
-            os.chdir(message["cwd"])
-        registry = cloudpickle.loads(message["registry"])
-        from gymnasium.envs.registration import registry as local_registry
-
-        for env_id, spec in registry.items():
-            local_registry.setdefault(env_id, spec)
-        self.env_fns = cloudpickle.loads(message["env_fns"])
-        prepare = message.get("prepare")
-        if prepare is not None:
-            self.recipe = cloudpickle.loads(prepare)
-            if not message.get("prepare_in_sandbox"):
-                self.prototype = self._prepared_env()
-        # Objects alive now are shared copy-on-write with every sandbox: keep the
-        # collector from touching (and so copying) their pages after fork.
-        gc.collect()
-        gc.freeze()
-        self.prepare_seconds = time.perf_counter() - start
-
-    def _prepared_env(self):
-        """env_fn(), then reset(seed), warmup(env) and ready_check(env)."""
-        warmup, ready_check, seed = self.recipe
-        env = self.env_fns[0]()
-        if seed is not None:
-            env.reset(seed=seed)
-        if warmup is not None:
-            warmup(env)
-        if ready_check is not None and ready_check(env) is False:
-            raise RuntimeError("ready_check(env) returned False: the parent is not ready")
-        return env
-
-    def make_env(self, origin: int):
-        """The env a new sandbox starts from: the prototype's copy, a prepared env built
-        in the sandbox (a clean launch), or a fresh build of env_fns[origin]."""
-        if self.prototype is not None:
-            return self.prototype
-        if self.recipe is not None:
-            return self._prepared_env()
-        return self.env_fns[origin]()
 
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
         """Fork one worker per entry of ``message['workers']``; fds: the slab, then
@@ -95,7 +48,7 @@ class WarmParent:
         per = FDS_PER_SANDBOX
         sys.stdout.flush()
         sys.stderr.flush()
-        attach = self._attach_arg(message.get("attach"))
+        attach = self.recipe.attach_arg(message.get("attach"))
         pids = []
         for k, spec in enumerate(message["workers"]):
             channel_fd, sock_fd, out_fd, err_fd = rest[per * k : per * (k + 1)]
@@ -112,17 +65,6 @@ class WarmParent:
             os.close(fd)
         return pids
 
-    def _attach_arg(self, pickled: bytes | None) -> dict | None:
-        """The controller's attach argument, spaces unpickled once and then shared."""
-        if pickled is None:
-            return None
-        if pickled not in self._attach_cache:
-            arg = cloudpickle.loads(pickled)
-            for key in ("observation_space", "action_space"):
-                arg[key] = cloudpickle.loads(arg[key])
-            self._attach_cache[pickled] = arg
-        return self._attach_cache[pickled]
-
     def _become_worker(
         self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
     ) -> None:
@@ -136,10 +78,8 @@ class WarmParent:
                 spec["ring_capacity"],
                 slab_fd,
                 sock_fd,
-                spec["indices"],
-                spec["origins"],
-                self.make_env,
-                spec["name"],
+                spec,
+                self.recipe.make_env,
                 warm_parent=self.pid,
                 isolation=(self.isolation_config, self.tree_isolation),
                 attach=attach,
@@ -210,7 +150,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
     parent = WarmParent(sock)
-    parent.pid = os.getpid()
     try:
         message, _ = recv_message(sock)
         if message.get("die_with_controller"):
@@ -220,26 +159,13 @@ def main() -> None:
         parent.tree_isolation = isolate_tree(parent.isolation_config)
         cgroups.sweep_stale()
         try:
-            parent.prepare(message)
+            parent.recipe.prepare(message)
         except Exception as exc:
-            send_message(
-                sock,
-                {
-                    "op": "error",
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "exception": _pickled(exc),
-                    "traceback": traceback.format_exc(),
-                },
-            )
+            send_message(sock, prepare_failure(exc))
             return
         send_message(
             sock,
-            {
-                "op": "ready",
-                "pid": os.getpid(),
-                "prepare_seconds": parent.prepare_seconds,
-                "isolation": parent.tree_isolation.report(),
-            },
+            {"op": "ready", "pid": os.getpid(), "isolation": parent.tree_isolation.report()},
         )
         parent.serve()
     except (EOFError, ConnectionError):
@@ -250,13 +176,6 @@ def main() -> None:
 
 def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(128 + signum)
-
-
-def _pickled(exc: BaseException) -> bytes | None:
-    try:
-        return cloudpickle.dumps(exc)
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":

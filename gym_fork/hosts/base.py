@@ -1,0 +1,329 @@
+"""The Host interface: what the vector layer asks of a sandbox backend, and nothing more.
+
+A *host* owns one warm parent (a prepared process, a frozen VM, or the controller itself
+for ``inline``) and makes *worker sandboxes* from it: ``spawn`` clones the warm parent,
+``fork`` clones a running worker (a *branch point*). The vector layer talks to workers
+only through their channel (transport) and asks the host for everything else: liveness,
+exit status, the isolation achieved, and whether its warm parent may be forked.
+
+Shared here, so that every host speaks the same way: the worker handle and spec, the
+clone order, the init message that carries the env_fns to a warm parent, the reply a
+warm parent sends when preparing failed, the isolation report, and reference counting
+of the warm parent between a vector env and its branches.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import cloudpickle
+
+from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.output import OutputCollector
+from gym_fork.system.isolation import IsolationConfig
+from gym_fork.system.linux import ProcessWatch
+from gym_fork.system.scratch import remove_scratch
+from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
+
+HOST_KINDS = ("process", "microvm", "inline")
+
+
+@dataclass(frozen=True)
+class PrepareRecipe:
+    """How ``from_parent`` prepares its warm parent: ``env_fn()``, ``reset(seed)`` when a
+    seed is given, ``warmup(env)``, then ``ready_check(env)`` (False: not ready)."""
+
+    warmup: Callable | None = None
+    ready_check: Callable | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Everything a host needs to start its warm parent."""
+
+    kind: str
+    env_fns: tuple[Callable, ...]
+    prepare: PrepareRecipe | None = None
+    prepare_in_sandbox: bool = False
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    ring_capacity: int = DEFAULT_RING_BYTES
+    vm_memory_mb: int = 256
+    vm_slab_mb: int = 16
+    start_timeout: float | None = None
+    trusted: bool = True
+
+
+@dataclass
+class WorkerSpec:
+    """What a new worker sandbox hosts: sub-env ``indices`` built from env_fns ``origins``."""
+
+    name: str
+    indices: list[int]
+    origins: list[int]
+
+
+@dataclass(frozen=True)
+class CloneOrder:
+    """One clone of a fork: branch sub-env ``branch_index`` continues the source's
+    sub-env ``source_index`` (reseeded with ``seed`` unless None), in a sandbox ``spec``."""
+
+    spec: WorkerSpec
+    source_index: int
+    branch_index: int
+    seed: int | None
+
+
+@dataclass
+class WorkerHandle:
+    """A running worker sandbox as the controller sees it.
+
+    Concurrency: used from the controller's calling thread only.
+    """
+
+    name: str
+    indices: list[int]
+    channel: Channel
+    pid: int
+    watch: ProcessWatch
+    origins: list[int] = field(default_factory=list)
+    output: OutputCollector | None = None
+    awaiting: int = 0  # seq of the reply this worker still owes, 0 if none
+    dead: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    host_data: Any = None  # what the host keeps per sandbox (side socket, VM)
+
+    def output_tail(self, stream: str = "stderr") -> str:
+        """The last bytes this sandbox wrote on ``stream``."""
+        return self.output.tail(str(self.pid), stream) if self.output is not None else ""
+
+    def alive(self) -> bool:
+        """False once the sandbox is known dead (checked with its pidfd)."""
+        if self.dead:
+            return False
+        if not self.watch.alive():
+            self.dead = True
+        return not self.dead
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox; :meth:`alive` is False from now on."""
+        self.watch.kill()
+        self.dead = True
+
+    def release(self) -> None:
+        """Close the controller's ends of this sandbox (it must be dead or closed).
+
+        Its scratch directory is removed too, when it is a host path (inside a
+        namespaced tree the warm parent removes it)."""
+        scratch = self.info.get("scratch")
+        if scratch and not scratch.startswith("/proc/"):
+            remove_scratch(scratch)
+        close = getattr(self.host_data, "close", None)
+        if close is not None:
+            close()
+        self.host_data = None
+        if self.output is not None:
+            self.output.forget(str(self.pid))
+        self.watch.close()
+        self.channel.close()
+
+
+@dataclass
+class IsolationReport:
+    """What separates sandboxes on a host, as achieved there (never as hoped).
+
+    ``missing`` maps each layer the host could not give to the reason; ``details`` holds
+    host-specific facts (address space, accelerator, guest kernel, image digest).
+    """
+
+    host: str
+    network: str
+    namespaces: dict[str, bool]
+    private_tmp: bool
+    no_new_privs: bool
+    limits: dict[str, Any]
+    missing: dict[str, str]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat dictionary ``ForkVectorEnv.isolation`` shows and the lineage records."""
+        return {
+            "host": self.host,
+            **self.details,
+            "network": self.network,
+            "namespaces": dict(self.namespaces),
+            "private_tmp": self.private_tmp,
+            "no_new_privs": self.no_new_privs,
+            "limits": dict(self.limits),
+            "missing": dict(self.missing),
+        }
+
+
+# ``ask(op, arg)``: send a request to the worker being forked (through the pool of the
+# vector env that owns it) and return its reply's result.
+AskWorker = Callable[[int, Any], Any]
+
+
+class Host(Protocol):
+    """A sandbox backend. Every method is called from the controller's thread."""
+
+    kind: str
+    # The process a clone of the warm parent is forked from, whose CUDA state it would
+    # inherit; None where clones are not forked processes (VMs, inline).
+    gpu_pid: int | None
+    output: OutputCollector | None
+    slab_min_bytes: int  # a slab memfd is sized to at least this (a VM's fixed device)
+
+    def spawn(
+        self,
+        specs: Sequence[WorkerSpec],
+        slab_fd: int,
+        ring_capacity: int,
+        attach: bytes | None = None,
+    ) -> list[WorkerHandle]:
+        """Clone the warm parent once per spec; each worker sends a HELLO when built
+        (with ``attach``, the pickled attach argument, it attaches to the slab first)."""
+        ...
+
+    def fork(
+        self,
+        source: WorkerHandle,
+        orders: Sequence[CloneOrder],
+        num_envs: int,
+        slab_fd: int,
+        ring_capacity: int,
+        ask: AskWorker,
+    ) -> list[WorkerHandle]:
+        """Clone the running, idle worker ``source`` once per order; each clone sends
+        a HELLO. ``ask`` reaches the source worker through its own vector env."""
+        ...
+
+    def alive(self) -> bool:
+        """Is the warm parent still able to make sandboxes?"""
+        ...
+
+    def exit_code(self, worker: WorkerHandle) -> int | None:
+        """A dead worker's exit code (negative: a signal), None when unknown."""
+        ...
+
+    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
+        """The isolation achieved, from one sandbox's own report (its HELLO)."""
+        ...
+
+    def check_slab(self, nbytes: int) -> None:
+        """Refuse (ValueError) a batch slab this host's sandboxes cannot map."""
+        ...
+
+    def acquire(self) -> Host:
+        """One more vector env (a root or a branch) uses this warm parent."""
+        ...
+
+    def release(self) -> None:
+        """A user is done; the last one closes the host."""
+        ...
+
+    def close(self) -> None:
+        """Stop the warm parent and every sandbox made from it."""
+        ...
+
+
+class SharedByBranches:
+    """Reference counting of a warm parent shared by a vector env and its branches."""
+
+    _users: int = 1
+
+    def acquire(self) -> SharedByBranches:
+        """One more vector env uses this host."""
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        """A user is done; the last one closes the host."""
+        self._users -= 1
+        if self._users <= 0:
+            self.close()
+
+    def close(self) -> None:  # pragma: no cover - every host defines it
+        raise NotImplementedError
+
+
+def init_message(config: HostConfig) -> dict[str, Any]:
+    """What a warm parent needs to prepare: the env_fns (cloudpickle) with the
+    controller's ``sys.path``, working directory and Gymnasium registry (so that envs
+    registered at run time resolve in the sandbox as they do in the caller)."""
+    from gymnasium.envs.registration import registry
+
+    try:
+        payload = cloudpickle.dumps(list(config.env_fns))
+    except Exception as exc:
+        raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
+    prepare = config.prepare
+    return {
+        "op": "init",
+        "env_fns": payload,
+        "sys_path": list(sys.path),
+        "cwd": os.getcwd(),
+        "registry": cloudpickle.dumps(dict(registry)),
+        "prepare": None
+        if prepare is None
+        else cloudpickle.dumps((prepare.warmup, prepare.ready_check, prepare.seed)),
+        "prepare_in_sandbox": config.prepare_in_sandbox,
+    }
+
+
+def prepare_failure(exc: BaseException) -> dict[str, Any]:
+    """The reply of a warm parent whose preparation raised ``exc``."""
+    try:
+        pickled = cloudpickle.dumps(exc)
+    except Exception:
+        pickled = None
+    return {
+        "op": "error",
+        "error": f"{type(exc).__name__}: {exc}",
+        "exception": pickled,
+        "traceback": traceback.format_exc(),
+    }
+
+
+def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> None:
+    """Raise what the warm parent (``what``) raised while preparing the env_fns: the
+    original exception with its traceback as a note (only when the sandbox is trusted:
+    unpickling runs code), or a SandboxStartError carrying the text."""
+    exc = None
+    if trusted and reply.get("exception") is not None:
+        try:
+            exc = cloudpickle.loads(reply["exception"])
+        except Exception:
+            exc = None
+    if isinstance(exc, BaseException):
+        exc.add_note(
+            f"[gym_fork] raised while preparing {what}; its traceback:\n"
+            + str(reply.get("traceback", ""))
+        )
+        raise exc
+    raise SandboxStartError(
+        f"{what} could not prepare the env_fns: {str(reply.get('error'))[:2000]}\n"
+        f"{str(reply.get('traceback', ''))[:20000]}"
+    )
+
+
+def make_host(config: HostConfig) -> Host:
+    """The backend ``config.kind`` names, with its warm parent started and prepared."""
+    if config.kind == "process":
+        from gym_fork.hosts.process.host import ProcessHost
+
+        return ProcessHost(config)
+    if config.kind == "microvm":
+        from gym_fork.hosts.microvm.host import MicroVMHost
+
+        return MicroVMHost(config)
+    if config.kind == "inline":
+        from gym_fork.hosts.inline import InlineHost
+
+        return InlineHost(config)
+    raise ValueError(f"`host` must be one of {sorted(HOST_KINDS)}, got {config.kind!r}")

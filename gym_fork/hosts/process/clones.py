@@ -1,0 +1,160 @@
+"""Forking running sub-envs into new process sandboxes (the process host's branch point).
+
+A worker asked to FORK makes its clones with a double fork: short-lived intermediates
+fork the clones and exit, so the clones are orphaned and adopted by the warm parent (a
+child subreaper) and outlive the worker they were forked from. A large fan-out is split
+over one intermediate per core: forking copies this process's page tables, and two
+cores copy them twice as fast.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gym_fork.system.linux import die_with_parent
+from gym_fork.transport.channel import Channel
+from gym_fork.transport.control import recv_message
+from gym_fork.worker import protocol as P
+from gym_fork.worker.loop import SubEnvSlot, reseed_env
+
+from .sandbox import FDS_PER_SANDBOX, ProcessWorker, redirect_output, run_as_sandbox
+
+# A fan-out gets one more intermediate (up to one per core) per this many clones.
+FORKS_PER_INTERMEDIATE = 16
+
+
+@dataclass
+class _Clone:
+    slot: SubEnvSlot
+    branch_index: int
+    seed: int | None
+    name: str
+    fds: tuple[int, ...]  # slab, channel, side socket, stdout, stderr
+
+
+def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
+    """Serve a FORK: ``arg["clones"]`` lists ``[source_index, branch_index, seed,
+    name]``; the fds (branch slab, then FDS_PER_SANDBOX per clone) arrive on the
+    worker's side socket. Returns the clones' pids, in order."""
+    clones = arg["clones"]
+    _message, fds = recv_message(worker.sock)
+    try:
+        per = FDS_PER_SANDBOX
+        if len(fds) != 1 + per * len(clones):
+            raise RuntimeError(f"fork: expected {1 + per * len(clones)} fds, got {len(fds)}")
+        plan = []
+        for k, (source_index, branch_index, seed, name) in enumerate(clones):
+            slot = next((s for s in worker.slots if s.index == source_index), None)
+            if slot is None:
+                raise RuntimeError(f"fork: this worker does not host sub-env {source_index}")
+            if seed is not None and not isinstance(seed, int):
+                raise TypeError(f"fork: a seed must be an int or None, got {seed!r}")
+            plan.append(
+                _Clone(
+                    slot, branch_index, seed, name, (fds[0], *fds[1 + per * k : 1 + per * (k + 1)])
+                )
+            )
+        branch_arg = dict(worker.attach_arg, num_envs=arg["num_envs"])
+        gc.freeze()  # what lives now is shared with the clones: keep the GC off it
+        return _double_fork(worker, plan, fds, branch_arg, arg["ring_capacity"])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _double_fork(worker, plan: list[_Clone], all_fds, branch_arg, capacity) -> list[int]:
+    read_end, write_end = os.pipe()
+    # The gate: clones block on it until every intermediate (its only other writers)
+    # is gone, i.e. until they are orphans about to be adopted, instead of polling.
+    gate_read, gate_write = os.pipe()
+    cores = len(os.sched_getaffinity(0)) or 1
+    parts = max(1, min(cores, len(plan) // FORKS_PER_INTERMEDIATE))
+    intermediates = []
+    for part in range(parts):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_end)
+                for k in range(part, len(plan), parts):
+                    clone = os.fork()
+                    if clone == 0:
+                        os.close(write_end)
+                        os.close(gate_write)
+                        _become_clone(worker, plan[k], all_fds, branch_arg, capacity, gate_read)
+                    # 16 bytes < PIPE_BUF: writes from several intermediates never mix
+                    os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
+            finally:
+                os._exit(0)
+        intermediates.append(pid)
+    os.close(gate_read)
+    os.close(gate_write)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    for pid in intermediates:
+        os.waitpid(pid, 0)
+    if len(data) != 16 * len(plan):
+        raise RuntimeError(
+            f"fork: {len(data) // 16} of {len(plan)} clones were created before a failure"
+        )
+    pids = [0] * len(plan)
+    for i in range(0, len(data), 16):
+        pids[int.from_bytes(data[i : i + 8], "little")] = int.from_bytes(
+            data[i + 8 : i + 16], "little"
+        )
+    return pids
+
+
+def _become_clone(worker: ProcessWorker, clone: _Clone, all_fds, branch_arg, capacity, gate):
+    slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
+    redirect_output(out_fd, err_fd)
+
+    def body() -> None:
+        for fd in all_fds:
+            if fd not in clone.fds:
+                os.close(fd)
+        # Let go of the source's channel, socket and slab: they are not ours.
+        worker.channel.close()
+        worker.sock.close()
+        if worker.slab is not None:
+            worker.slab.close()
+        slot = clone.slot
+        origin = worker.origins[worker.slots.index(slot)]
+        slot.index = clone.branch_index
+        if clone.seed is not None:
+            reseed_env(slot.env, clone.seed)
+        child = ProcessWorker(
+            Channel.attach(channel_fd, capacity, clone.name),
+            [clone.branch_index],
+            [origin],
+            worker.make_env,
+            slab_fd,
+            socket.socket(fileno=sock_fd),
+            worker.warm_parent,
+            (worker.isolation_config, worker.tree_isolation),
+        )
+        child.slots = [slot]
+        child.enter_sandbox(copy_from=worker.scratch)
+        child.attach(branch_arg)
+        child.channel.send([P.HELLO, 0, child.identity(), None])
+        _await_adoption(gate, worker.warm_parent)
+        child.run()
+
+    run_as_sandbox(body)
+
+
+def _await_adoption(gate: int, warm_parent: int) -> None:
+    """Block until the intermediate is gone (EOF on the gate), then tie our life to the
+    warm parent that adopts us. Set-up and HELLO happen before, in parallel."""
+    while os.read(gate, 1):
+        pass
+    os.close(gate)
+    deadline = time.monotonic() + 5.0
+    while os.getppid() != warm_parent and time.monotonic() < deadline:
+        time.sleep(0.0001)  # exit_files() runs just before the reparenting in exit()
+    die_with_parent(warm_parent)

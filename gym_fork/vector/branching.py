@@ -1,0 +1,184 @@
+"""Branching: clone running sub-envs into the sandboxes of a new vector env.
+
+Every argument is checked before anything is allocated; then each source worker's
+host clones it (a process forks, a VM is copied), and the branch's slab starts from
+its sources' last results, row by row.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+
+from gym_fork.gpu import ForkUnsafeError, cuda_evidence
+from gym_fork.gpu import probe as gpu_probe
+from gym_fork.hosts.base import CloneOrder, WorkerHandle
+
+from .config import check_sandbox_count
+from .lifecycle import Sandboxes, live_sandboxes
+from .spaces import VectorSpaces
+
+
+@dataclass(frozen=True)
+class ForkPlan:
+    """A checked fork request: branch sub-env j continues source sub-env ``sources[j]``."""
+
+    branch_id: str
+    indices: list[int]
+    copies: int
+    sources: list[int]
+    seeds: list[int | None]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def plan_fork(branch_id: Any, indices: Any, copies: Any, reseed: Any, num_envs: int) -> ForkPlan:
+    """Check a fork's arguments (TypeError/ValueError naming the bad one), before any
+    allocation."""
+    if not isinstance(branch_id, str) or not branch_id:
+        raise TypeError(f"branch_id must be a non-empty str, got {branch_id!r}")
+    if indices is None:
+        indices = range(num_envs)
+    elif isinstance(indices, str | bytes) or not isinstance(indices, Sequence | np.ndarray):
+        raise TypeError(f"fork indices must be a sequence of ints, got {indices!r}")
+    if len(indices) == 0:
+        raise ValueError("fork indices must name at least one sub-env")
+    bad = [i for i in indices if not _is_int(i)]
+    if bad:
+        raise TypeError(f"fork indices must be ints, got {bad[:5]!r}")
+    indices = [int(i) for i in indices]
+    outside = [i for i in indices if not 0 <= i < num_envs]
+    if outside:
+        raise ValueError(f"fork indices must be in [0, {num_envs}), got {outside[:5]}")
+    if not _is_int(copies) or copies < 1:
+        raise ValueError(f"copies must be an int >= 1, got {copies!r}")
+    n = len(indices) * int(copies)
+    check_sandbox_count(live_sandboxes() + n, f"fork({branch_id!r})")
+    if reseed is None:
+        seeds: list[int | None] = [None] * n
+    elif _is_int(reseed):
+        seeds = [int(reseed) + j for j in range(n)]
+    elif isinstance(reseed, Sequence | np.ndarray) and not isinstance(reseed, str | bytes):
+        if len(reseed) != n:
+            raise ValueError(f"reseed needs one seed per branch sub-env ({n}), got {len(reseed)}")
+        wrong = [s for s in reseed if s is not None and not _is_int(s)]
+        if wrong:
+            raise TypeError(f"reseed must hold ints or None, got {wrong[:5]!r}")
+        seeds = [None if s is None else int(s) for s in reseed]
+    else:
+        raise TypeError(f"reseed must be None, an int or one seed per sub-env, got {reseed!r}")
+    negative = [s for s in seeds if s is not None and s < 0]
+    if negative:
+        raise ValueError(f"seeds must be >= 0, got {negative[:5]}")
+    sources = [i for i in indices for _ in range(int(copies))]
+    return ForkPlan(branch_id, indices, int(copies), sources, seeds)
+
+
+def check_forkable(workers: list[WorkerHandle], pool) -> None:
+    """Refuse to fork a dead sandbox or one that holds a CUDA context."""
+    dead = [w for w in workers if not w.alive()]
+    if dead:
+        raise pool.crashed(dead[0], "before fork")
+    report = gpu_probe()
+    for worker in workers:
+        evidence = cuda_evidence(worker.pid, report)
+        if evidence:
+            raise ForkUnsafeError(
+                f"sub-env(s) {worker.indices} (pid {worker.pid}) hold a CUDA context, "
+                f"which does not survive fork: {'; '.join(evidence)}. A live fork of "
+                "mid-episode state cannot fall back to a clean launch.",
+                pid=worker.pid,
+                evidence=evidence,
+            )
+
+
+def clone_sandboxes(
+    source: Sandboxes,
+    source_spaces: VectorSpaces,
+    source_observations: Any,
+    plan: ForkPlan,
+    obs_in_slab: bool,
+    observation_mode: Any,
+) -> tuple[Sandboxes, VectorSpaces, Any, float]:
+    """The sandboxes, spaces and first observations of a branch; and the seconds the
+    clones took."""
+    involved = [w for w in source.pool.workers if any(i in w.indices for i in plan.indices)]
+    check_forkable(involved, source.pool)
+    started = time.perf_counter()
+    config = source.config.for_branch(plan.sources)
+    spaces = source_spaces.for_branch(observation_mode, plan.sources)
+    branch = Sandboxes(config, source.host.acquire())
+    try:
+        slab = branch.open_slab(spaces, obs_in_slab)
+        observations = _copy_rows(source, source_spaces, source_observations, branch, plan)
+        branch.attach_arg = dict(source.attach_arg, num_envs=config.num_envs)
+        branch.pool.workers = _fork_workers(source, branch, plan, slab.region.fd)
+        branch.receive_hellos(branch.pool.workers)
+    except BaseException:
+        branch.teardown(terminate=True)
+        raise
+    return branch, spaces, observations, time.perf_counter() - started
+
+
+def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, slab_fd: int):
+    where = {i: k for k, w in enumerate(source.pool.workers) for i in w.indices}
+    by_worker: dict[int, list[int]] = {}  # source worker position -> branch indices
+    for j, i in enumerate(plan.sources):
+        by_worker.setdefault(where[i], []).append(j)
+    handles: dict[int, WorkerHandle] = {}
+    timeout = source.config.timeout
+    for position, branch_indices in by_worker.items():
+        worker = source.pool.workers[position]
+        orders = [
+            CloneOrder(
+                branch.spec([j], f"{plan.branch_id} sub-env {j}"),
+                plan.sources[j],
+                j,
+                plan.seeds[j],
+            )
+            for j in branch_indices
+        ]
+
+        def ask(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
+            return source.pool.ask(worker, op, arg, timeout)
+
+        try:
+            made = branch.host.fork(
+                worker, orders, branch.config.num_envs, slab_fd, branch.config.ring_bytes, ask
+            )
+        except BaseException:
+            for handle in handles.values():
+                handle.kill()
+                handle.release()
+            raise
+        for j, handle in zip(branch_indices, made, strict=True):
+            handles[j] = handle
+    return [handles[j] for j in range(branch.config.num_envs)]
+
+
+def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
+    """The branch starts where its sources are: their last results, row by row."""
+    theirs, mine = source.slab, branch.slab
+    for j, i in enumerate(plan.sources):
+        mine.rewards[j] = theirs.rewards[i]
+        mine.terminations[j] = theirs.terminations[i]
+        mine.truncations[j] = theirs.truncations[i]
+        if mine.observations is not None:
+            mine.observations.write(j, theirs.observations.read(i))
+    if mine.observations is not None:
+        return mine.observations.batch()
+    single = source_spaces.single_observation_space
+    rows = list(iterate(source_spaces.observation_space, source_observations))
+    return concatenate(
+        single,
+        [rows[i] for i in plan.sources],
+        create_empty_array(single, n=len(plan.sources), fn=np.zeros),
+    )

@@ -1,0 +1,202 @@
+"""Every option of a ForkVectorEnv, validated once, before anything starts."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from gymnasium import Space
+from gymnasium.vector import AutoresetMode
+
+from gym_fork.hosts.base import HOST_KINDS, HostConfig, PrepareRecipe
+from gym_fork.system.isolation import IsolationConfig, SandboxLimits
+from gym_fork.transport.channel import DEFAULT_RING_BYTES
+
+# Sandboxes one controller may hold at once (all its vector envs and branches), unless
+# GYM_FORK_MAX_SANDBOXES says otherwise: a typo such as copies=10**9 is refused before
+# anything is allocated.
+DEFAULT_MAX_SANDBOXES = 4096
+
+
+def max_sandboxes() -> int:
+    """The ceiling on sandboxes per controller (GYM_FORK_MAX_SANDBOXES)."""
+    value = os.environ.get("GYM_FORK_MAX_SANDBOXES")
+    return int(value) if value else DEFAULT_MAX_SANDBOXES
+
+
+def auto_envs_per_worker(num_envs: int) -> int:
+    """1 while cores suffice, else one worker per core with sub-envs spread evenly."""
+    cores = len(os.sched_getaffinity(0)) or 1
+    return max(1, math.ceil(num_envs / cores))
+
+
+@dataclass(frozen=True)
+class VectorConfig:
+    """The options of one vector env (a branch gets ``for_branch``'s copy)."""
+
+    env_fns: tuple[Callable, ...]
+    num_envs: int
+    shared_memory: bool = True
+    copy: bool = True
+    context: str | None = None
+    daemon: bool = True
+    observation_mode: str | Space | tuple[Space, Space] = "same"
+    autoreset_mode: AutoresetMode = AutoresetMode.NEXT_STEP
+    max_concurrency: int | None = None
+    envs_per_worker: int = 1
+    ring_bytes: int = DEFAULT_RING_BYTES
+    check_actions: bool = False
+    reset_mode: str = "in_place"
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    timeout: float | None = None
+    gpu_fork_policy: str = "refuse"
+    host: str = "process"
+    vm_memory_mb: int = 256
+    vm_slab_mb: int = 16
+    trusted: bool = True
+    prepare: PrepareRecipe | None = None
+    origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from
+
+    @classmethod
+    def from_arguments(
+        cls,
+        env_fns: Sequence[Callable],
+        *,
+        worker: Callable | None,
+        autoreset_mode: str | AutoresetMode,
+        max_concurrency: int | None,
+        envs_per_worker: int | str,
+        ring_bytes: int,
+        reset_mode: str,
+        gpu_fork_policy: str,
+        host: str | None,
+        timeout: float | None,
+        trusted: bool | None,
+        namespaces: bool,
+        network: bool,
+        private_tmp: bool,
+        limits: SandboxLimits | None,
+        prepare: PrepareRecipe | None,
+        **plain: Any,
+    ) -> VectorConfig:
+        """Check every constructor argument; raise ValueError/TypeError naming the bad one."""
+        if worker is not None:
+            raise ValueError(
+                "ForkVectorEnv does not run custom pipe-based `worker` functions: its workers "
+                "speak over shared-memory rings. Use gymnasium.vector.AsyncVectorEnv for a "
+                "custom worker."
+            )
+        num_envs = len(env_fns)
+        if num_envs == 0:
+            raise ValueError("ForkVectorEnv needs at least one env_fn")
+        check_sandbox_count(num_envs, "env_fns")
+        if max_concurrency is not None:
+            if not isinstance(max_concurrency, int | np.integer):
+                raise ValueError(
+                    f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}."
+                )
+            if max_concurrency < 1:
+                raise ValueError(
+                    f"`max_concurrency` must be a positive or None, got {max_concurrency}."
+                )
+        if envs_per_worker == "auto":
+            envs_per_worker = auto_envs_per_worker(num_envs)
+        if (
+            isinstance(envs_per_worker, bool)
+            or not isinstance(envs_per_worker, int)
+            or envs_per_worker < 1
+        ):
+            raise ValueError(
+                f"`envs_per_worker` must be 'auto' or an int >= 1, got {envs_per_worker!r}"
+            )
+        if not isinstance(ring_bytes, int) or ring_bytes < 4096 or ring_bytes & (ring_bytes - 1):
+            raise ValueError(f"`ring_bytes` must be a power of two >= 4096, got {ring_bytes}")
+        if reset_mode not in ("in_place", "clone"):
+            raise ValueError(f"`reset_mode` must be 'in_place' or 'clone', got {reset_mode!r}")
+        if reset_mode == "clone" and envs_per_worker != 1:
+            raise ValueError("reset_mode='clone' needs one sandbox per sub-env: envs_per_worker=1")
+        if gpu_fork_policy not in ("refuse", "clean"):
+            raise ValueError(
+                f"gpu_fork_policy must be 'refuse' or 'clean', got {gpu_fork_policy!r}"
+            )
+        host = host or os.environ.get("GYM_FORK_HOST") or "process"
+        if host not in HOST_KINDS:
+            raise ValueError(f"`host` must be one of {sorted(HOST_KINDS)}, got {host!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+        if trusted is None:
+            # A VM is the boundary for code one does not trust: its data is not unpickled.
+            trusted = os.environ.get("GYM_FORK_TRUSTED", "1" if host != "microvm" else "0")
+            trusted = trusted not in ("0", "false", "no")
+        return cls(
+            env_fns=tuple(env_fns),
+            num_envs=num_envs,
+            autoreset_mode=autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode),
+            max_concurrency=max_concurrency,
+            envs_per_worker=envs_per_worker,
+            ring_bytes=ring_bytes,
+            reset_mode=reset_mode,
+            gpu_fork_policy=gpu_fork_policy,
+            host=host,
+            timeout=timeout,
+            trusted=bool(trusted),
+            isolation=IsolationConfig(
+                namespaces=namespaces,
+                network=network,
+                private_tmp=private_tmp,
+                limits=limits or SandboxLimits(),
+            ),
+            prepare=prepare,
+            origins=tuple(range(num_envs)) if prepare is None else (0,) * num_envs,
+            **plain,
+        )
+
+    def for_branch(self, sources: Sequence[int]) -> VectorConfig:
+        """The config of a branch whose sub-env j continues this env's ``sources[j]``."""
+        return replace(
+            self,
+            num_envs=len(sources),
+            envs_per_worker=1,
+            origins=tuple(self.origins[i] for i in sources),
+        )
+
+    def host_config(self, *, prepare_in_sandbox: bool = False) -> HostConfig:
+        """What the host needs to start this vector env's warm parent."""
+        return HostConfig(
+            kind=self.host,
+            env_fns=self.env_fns[:1] if self.prepare else self.env_fns,
+            prepare=self.prepare,
+            prepare_in_sandbox=prepare_in_sandbox,
+            isolation=self.isolation,
+            ring_capacity=self.ring_bytes,
+            vm_memory_mb=self.vm_memory_mb,
+            vm_slab_mb=self.vm_slab_mb,
+            start_timeout=self.timeout,
+            trusted=self.trusted,
+        )
+
+    def worker_groups(self) -> list[list[int]]:
+        """The sub-env indices of each worker sandbox."""
+        step = self.envs_per_worker
+        return [
+            list(range(start, min(start + step, self.num_envs)))
+            for start in range(0, self.num_envs, step)
+        ]
+
+
+def check_sandbox_count(count: int, what: str) -> None:
+    """Refuse more sandboxes than the per-controller ceiling allows, before allocating."""
+    ceiling = max_sandboxes()
+    if count > ceiling:
+        raise ValueError(
+            f"{what} asks for {count} sandboxes; the ceiling is {ceiling} per controller "
+            "(set GYM_FORK_MAX_SANDBOXES to raise it)"
+        )

@@ -1,0 +1,309 @@
+"""Lifecycle of one vector env's sandboxes: start, replace, health, teardown.
+
+A :class:`Sandboxes` owns the warm parent (its host, shared with branches), the worker
+pool and the batch slab. It is handed everything it needs (config, spaces, lineage) and
+never calls back into the vector env.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+import weakref
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium import logger
+
+from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
+from gym_fork.gpu import ForkUnsafeError, cuda_evidence
+from gym_fork.gpu import probe as gpu_probe
+from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec, make_host
+from gym_fork.lineage import Lineage
+from gym_fork.transport.slab import Slab
+from gym_fork.worker import protocol as P
+
+from .config import VectorConfig, check_sandbox_count
+from .faults import Deadline, WaitTimeout, errors_exception
+from .pool import WorkerPool
+from .provenance import gpu_memory
+from .spaces import VectorSpaces
+
+# Every open set of sandboxes, so that interpreter exit without close() still cleans up
+# (and so that the per-controller ceiling on sandboxes counts them all).
+_OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for sandboxes in list(_OPEN):
+        with contextlib.suppress(Exception):
+            sandboxes.teardown(terminate=True)
+
+
+def live_sandboxes() -> int:
+    """Worker sandboxes held by every open vector env of this process."""
+    return sum(len(s.pool.workers) for s in list(_OPEN))
+
+
+class Sandboxes:
+    """The warm parent, worker pool and slab of one vector env (a root or a branch)."""
+
+    config: VectorConfig
+    host: Host | None
+    pool: WorkerPool
+    slab: Slab | None
+    lineage: Lineage | None
+    timings: dict[str, float]
+    clean_launch: dict[str, Any] | None
+    attach_arg: dict[str, Any] | None
+
+    def __init__(self, config: VectorConfig, host: Host) -> None:
+        self.config = config
+        self.host = host
+        self.pool = WorkerPool(
+            host,
+            max_concurrency=config.max_concurrency,
+            trusted=config.trusted,
+            send_timeout=config.timeout,
+        )
+        self.slab = None
+        self.lineage = None
+        self.timings = {}
+        self.clean_launch = None
+        self.attach_arg = None
+        # Sized and sealed once the spaces are known (Slab(owner=True)); the workers get
+        # the fd at spawn and map it at ATTACH.
+        self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._replacement_attach: bytes | None = None
+        _OPEN.add(self)
+
+    # -- start ----------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: VectorConfig) -> tuple[Sandboxes, list[dict[str, Any]]]:
+        """Start the warm parent and one worker per group; returns their HELLOs."""
+        check_sandbox_count(live_sandboxes() + config.num_envs, "this vector env")
+        started = time.perf_counter()
+        host = make_host(config.host_config())
+        self = cls(config, host)
+        try:
+            self.timings["parent_ready_s"] = time.perf_counter() - started
+            self._check_warm_parent_gpu()
+            cloned = time.perf_counter()
+            self.pool.workers = self.host.spawn(
+                [self.spec(group) for group in config.worker_groups()],
+                self._slab_fd,
+                config.ring_bytes,
+            )
+            hellos = self.receive_hellos(self.pool.workers)
+            self.timings["sandboxes_ready_s"] = time.perf_counter() - cloned
+        except BaseException:
+            self.teardown(terminate=True)
+            raise
+        return self, hellos
+
+    def spec(self, indices: list[int], name: str | None = None) -> WorkerSpec:
+        """The spec of a worker for sub-envs ``indices`` of this vector env."""
+        if name is None:
+            name = f"sub-env {indices[0]}" if len(indices) == 1 else f"sub-envs {indices}"
+        return WorkerSpec(name, list(indices), [self.config.origins[i] for i in indices])
+
+    def receive_hellos(self, workers: list[WorkerHandle]) -> list[dict[str, Any]]:
+        """Each new worker's HELLO (its build error raised), within the vector env's
+        timeout."""
+        deadline = Deadline(self.config.timeout)
+        hellos = []
+        for worker in workers:
+            try:
+                _op, _seq, info, errors = self.pool.receive(worker, deadline, P.HELLO)
+            except WaitTimeout:
+                raise self.pool.kill_unanswered(
+                    P.HELLO, "building the sub-envs", self.config.timeout
+                ) from None
+            if errors:
+                raise errors_exception(errors, building=True, trusted=self.config.trusted)
+            if not isinstance(info, dict):
+                info = {}
+            worker.info = info
+            hellos.append(info)
+        return hellos
+
+    def open_slab(self, spaces: VectorSpaces, obs_in_slab: bool) -> Slab:
+        """Size and map the batch slab for these spaces (the workers map it at ATTACH)."""
+        self.slab = Slab(
+            spaces.single_observation_space,
+            spaces.single_action_space,
+            self.config.num_envs,
+            use_observations=obs_in_slab,
+            region_fd=self._slab_fd,
+            owner=True,
+            size=self.host.slab_min_bytes,
+        )
+        self._slab_fd = -1  # owned by the slab's region now
+        self.host.check_slab(self.slab.nbytes)
+        return self.slab
+
+    def attach_all(self, spaces: VectorSpaces, obs_in_slab: bool) -> list[list[bool]]:
+        """Every worker maps the slab; per sub-env: [same obs space, same act space]."""
+        self.attach_arg = {
+            "observation_space": cloudpickle.dumps(spaces.single_observation_space),
+            "action_space": cloudpickle.dumps(spaces.single_action_space),
+            "observation_mode": spaces.check_mode,
+            "autoreset_mode": self.config.autoreset_mode.value,
+            "num_envs": self.config.num_envs,
+            "shared_memory": obs_in_slab,
+        }
+        self.pool.send_same(P.ATTACH, self.attach_arg)
+        replies = self.pool.collect(P.ATTACH, self.config.timeout)
+        return [check for reply in replies for check in (reply or [])]
+
+    def _check_warm_parent_gpu(self) -> None:
+        """Before cloning the warm parent: does it hold a CUDA context? (Checked once per
+        warm parent: it only forks after it is ready, so its state does not change.)"""
+        pid = self.host.gpu_pid
+        if pid is None:
+            return
+        evidence = cuda_evidence(pid, gpu_probe())
+        if not evidence:
+            return
+        if self.config.gpu_fork_policy == "refuse":
+            raise ForkUnsafeError(
+                f"the warm parent (pid {pid}) holds a CUDA context, which does not "
+                f"survive fork: {'; '.join(evidence)}. Keep CUDA out of env_fn/warmup (build "
+                "on CPU, or initialise the GPU after the fork), keep GPU work in the "
+                "controller, or pass gpu_fork_policy='clean' to build each sandbox cold.",
+                pid=pid,
+                evidence=evidence,
+            )
+        # "clean": a warm parent that only imports; every sandbox builds (and warms) its
+        # own env from the env_fn, i.e. a cold start that keeps the reset promise.
+        tainted = self.host
+        self.host = make_host(self.config.host_config(prepare_in_sandbox=True))
+        self.pool.host = self.host
+        tainted.release()
+        self.clean_launch = {"reason": "warm parent holds CUDA", "evidence": evidence}
+
+    # -- replace --------------------------------------------------------------------
+    def replace_dead(self) -> None:
+        """Fresh sandboxes for the workers found dead."""
+        self.replace(self.pool.dead_positions(), "replaced_dead_sandbox")
+
+    def reset_by_clone(self, mask: np.ndarray) -> None:
+        """Fresh clones of the warm parent for the workers whose sub-envs all reset."""
+        workers = self.pool.workers
+        positions = [k for k, w in enumerate(workers) if all(mask[i] for i in w.indices)]
+        self.replace(positions, "reset_by_clone")
+
+    def replace(self, positions: list[int], why: str) -> None:
+        """Clone the warm parent for the workers at ``positions`` (killing those)."""
+        if not positions:
+            return
+        workers = self.pool.workers
+        old = [workers[k] for k in positions]
+        for worker in old:
+            worker.kill()
+        old_host = self._ensure_warm_parent()
+        if self._replacement_attach is None:
+            # Pickled once: the warm parent unpickles it once too, then shares it.
+            arg = dict(self.attach_arg, observation_mode="custom")
+            self._replacement_attach = cloudpickle.dumps(arg)
+        fresh = self.host.spawn(
+            [self.spec(w.indices) for w in old],
+            self.slab.region.fd,
+            self.config.ring_bytes,
+            self._replacement_attach,
+        )
+        for k, worker in zip(positions, fresh, strict=True):
+            workers[k] = worker
+        for worker in old:
+            worker.watch.wait_dead(1.0)
+            worker.release()
+        if old_host is not None:
+            old_host.release()
+        self.receive_hellos(fresh)
+        if self.lineage is not None and why != "reset_by_clone":  # resets would flood it
+            self.lineage.tree.event(
+                self.lineage.branch_id,
+                why,
+                indices=[i for w in old for i in w.indices],
+                old_pids=[w.pid for w in old],
+                new_pids=[w.pid for w in fresh],
+            )
+
+    def _ensure_warm_parent(self) -> Host | None:
+        """Health check: a dead warm parent is replaced by a cold launch of the env_fns
+        (the prepared state is rebuilt from scratch), recorded in the lineage. Returns
+        the dead host, for the caller to release once its sandboxes are released."""
+        if self.host.alive():
+            return None
+        old = self.host
+        self.host = make_host(self.config.host_config())
+        self.pool.host = self.host
+        self._replacement_attach = None
+        if self.lineage is not None:
+            self.lineage.tree.event(
+                self.lineage.branch_id,
+                "replaced_warm_parent",
+                old_pid=getattr(old, "pid", None),
+                new_pid=getattr(self.host, "pid", None),
+            )
+        return old
+
+    # -- reports --------------------------------------------------------------------
+    def isolation(self) -> dict[str, Any]:
+        """The isolation the sandboxes achieved, as the first one reported it."""
+        if self.host is None:
+            return {}
+        workers = self.pool.workers
+        report = workers[0].info.get("isolation") if workers else None
+        achieved = self.host.isolation(report if isinstance(report, dict) else None).as_dict()
+        achieved["sub_envs_per_sandbox"] = self.config.envs_per_worker
+        return achieved
+
+    # -- teardown -------------------------------------------------------------------
+    def teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
+        """Close the sub-envs (unless ``terminate``), then kill and release every
+        sandbox, the host (if this was its last user), the slab and the lineage record."""
+        _OPEN.discard(self)
+        workers, self.pool.workers = self.pool.workers, []
+        gpu_at_close = gpu_memory(workers) if self.lineage is not None else None
+        if not terminate:
+            self._close_sub_envs(workers, timeout)
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.watch.wait_dead(1.0)
+            worker.release()
+        if self.host is not None:
+            self.host.release()  # the last user of the warm parent closes it
+            self.host = None
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+        if self._slab_fd >= 0:
+            os.close(self._slab_fd)
+            self._slab_fd = -1
+        if self.lineage is not None:
+            self.lineage.tree.close(
+                self.lineage.branch_id,
+                "terminated" if terminate else "closed",
+                gpu_memory=gpu_at_close,
+            )
+            self.lineage = None
+
+    def _close_sub_envs(self, workers: list[WorkerHandle], timeout: float | None) -> None:
+        live = [w for w in workers if w.alive()]
+        deadline = Deadline(timeout)
+        try:
+            for worker in live:
+                worker.awaiting = 0
+                worker.channel.send([P.CLOSE, 0, None], deadline.slice() or 0.01)
+            for worker in live:
+                self.pool.receive(worker, deadline, P.CLOSE)
+        except (WaitTimeout, SubEnvCrashed, RingTimeout, TransportError, OSError):
+            pass  # past the deadline, dead or misbehaving: it is killed next
+        except Exception as exc:
+            logger.warn(f"Error while closing the sub-envs: {exc!r}")

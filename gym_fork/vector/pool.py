@@ -1,0 +1,214 @@
+"""The worker pool: requests out, replies in, every wait bounded.
+
+The step pipeline, end to end:
+  actions -> the slab's action rows (or, while a worker still owes the reply of an
+  abandoned call, inside the request record itself, so that a late request never reads
+  the next step's actions) -> one STEP record per worker (beyond ``max_concurrency``
+  sub-envs, held back and sent as earlier workers answer) -> each worker steps its
+  sub-envs and writes observations, rewards and flags into its own rows -> a reply
+  record ``[op, seq, infos, errors]`` -> collected in worker order, late replies of
+  abandoned calls dropped by sequence number -> the batch is read from the slab.
+
+Concurrency: a pool is used from the controller's calling thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
+from gym_fork.hosts.base import Host, WorkerHandle
+from gym_fork.transport.codec import pack
+from gym_fork.worker import protocol as P
+
+from .faults import Deadline, WaitTimeout, corrupted, crashed, errors_exception, timed_out
+
+
+class WorkerPool:
+    """The worker handles of one vector env and the records in flight to them."""
+
+    workers: list[WorkerHandle]
+    host: Host
+    max_concurrency: int | None
+    trusted: bool
+    label: str  # the branch id, for error messages
+    send_timeout: float | None
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        max_concurrency: int | None = None,
+        trusted: bool = True,
+        send_timeout: float | None = None,
+    ) -> None:
+        self.workers = []
+        self.host = host
+        self.max_concurrency = max_concurrency
+        self.trusted = trusted
+        self.label = "?"
+        self.send_timeout = send_timeout
+        self._seq = 0
+        self._held: list[tuple[WorkerHandle, bytes]] = []
+
+    # -- sending --------------------------------------------------------------------
+    def behind(self) -> bool:
+        """True while some worker still owes the reply of a call that was abandoned."""
+        return any(w.awaiting for w in self.workers)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def send_same(self, op: int, arg: Any) -> None:
+        """The same request to every worker (one encode)."""
+        seq = self._next_seq()
+        record = pack([op, seq, arg])
+        self._dispatch(op, seq, [record] * len(self.workers))
+
+    def send_each(self, op: int, args: list[Any]) -> None:
+        """One request per worker, ``args`` in worker order."""
+        seq = self._next_seq()
+        self._dispatch(op, seq, [pack([op, seq, arg]) for arg in args])
+
+    def _dispatch(self, op: int, seq: int, records: list[bytes]) -> None:
+        """Send one record per worker; with ``max_concurrency``, resets and steps beyond
+        the limit wait in ``_held`` and go out as earlier sub-envs answer."""
+        self._held = []
+        budget = None
+        if self.max_concurrency is not None and op in (P.RESET, P.STEP):
+            budget = self.max_concurrency
+        running = 0
+        for worker, record in zip(self.workers, records, strict=True):
+            worker.awaiting = seq
+            if budget is None or running == 0 or running + len(worker.indices) <= budget:
+                self._send_record(worker, record, op)
+                running += len(worker.indices)
+            else:
+                self._held.append((worker, record))
+
+    def _send_record(self, worker: WorkerHandle, record: bytes, op: int) -> None:
+        try:
+            worker.channel.send_raw(record, self.send_timeout)
+        except RingTimeout:
+            worker.kill()  # it has not read a request for the whole timeout: hung
+            raise self.crashed(
+                worker, f"before {P.NAMES[op]}: its request ring stayed full"
+            ) from None
+        except TransportError as exc:
+            worker.kill()
+            raise corrupted(worker, exc) from exc
+
+    def _release_held(self) -> None:
+        if self._held:
+            worker, record = self._held.pop(0)
+            self._send_record(worker, record, P.STEP)
+
+    # -- receiving ------------------------------------------------------------------
+    def receive(self, worker: WorkerHandle, deadline: Deadline, op: int) -> list[Any]:
+        """The reply ``worker`` owes for ``op``; earlier, abandoned replies are dropped.
+
+        Raises WaitTimeout at the deadline, SubEnvCrashed when the worker dies, and
+        TransportError (after killing it) when it sends what is not a valid reply."""
+        inbox = worker.channel
+        while True:
+            try:
+                reply = inbox.recv(deadline.slice())
+            except RingTimeout:
+                if not worker.alive():
+                    raise self.crashed(worker, f"during {P.NAMES[op]}") from None
+                if deadline.expired():
+                    raise WaitTimeout from None
+                continue
+            except TransportError as exc:
+                worker.kill()
+                raise corrupted(worker, exc) from exc
+            if not (
+                type(reply) is list
+                and len(reply) == 4
+                and type(reply[1]) is int
+                and (reply[3] is None or type(reply[3]) is list)
+            ):
+                worker.kill()
+                raise corrupted(
+                    worker, TransportError(f"malformed reply {reply!r:.80}", reason="shape")
+                )
+            if op == P.HELLO or reply[1] == worker.awaiting:
+                if reply[0] != op:
+                    worker.kill()
+                    raise corrupted(
+                        worker,
+                        TransportError(
+                            f"a {P.NAMES.get(reply[0], reply[0])!r} reply to a "
+                            f"{P.NAMES[op]!r} request",
+                            reason="shape",
+                        ),
+                    )
+                worker.awaiting = 0
+                return reply
+
+    def collect(self, op: int, timeout: float | None, *, building: bool = False) -> list[Any]:
+        """Every worker's result for ``op``, in worker order; a sub-env's error is
+        raised once all have answered (the vector env stays usable)."""
+        deadline = Deadline(timeout)
+        results, errors = [], []
+        for worker in self.workers:
+            try:
+                _op, _seq, result, worker_errors = self.receive(worker, deadline, op)
+            except BaseException:
+                for held, _record in self._held:  # never sent: nothing to wait for
+                    held.awaiting = 0
+                self._held = []
+                raise
+            self._release_held()
+            results.append(result)
+            if worker_errors:
+                errors.extend(worker_errors)
+        if errors:
+            raise errors_exception(errors, building=building, trusted=self.trusted)
+        return results
+
+    def ask(self, worker: WorkerHandle, op: int, arg: Any, timeout: float | None) -> Any:
+        """One request to one worker, its result (its error raised)."""
+        seq = self._next_seq()
+        worker.awaiting = seq
+        self._send_record(worker, pack([op, seq, arg]), op)
+        try:
+            _op, _seq, result, errors = self.receive(worker, Deadline(timeout), op)
+        except WaitTimeout:
+            worker.kill()
+            raise self.crashed(
+                worker, f"during {P.NAMES[op]}: no answer within {timeout} s"
+            ) from None
+        if errors:
+            raise errors_exception(errors, trusted=self.trusted)
+        return result
+
+    # -- faults ---------------------------------------------------------------------
+    def crashed(self, worker: WorkerHandle, when: str) -> SubEnvCrashed:
+        """The error for a worker found dead (its exit status from the host)."""
+        worker.dead = True
+        return crashed(worker, self.host.exit_code(worker), when, self.label)
+
+    def kill_unanswered(self, op: int, what: str, timeout: float):
+        """The vector env's own ``timeout`` passed: kill the sandboxes that did not
+        answer and return the SubEnvTimeout that names them."""
+        hung = []
+        for worker in self.workers:
+            if not worker.awaiting:
+                continue
+            try:
+                self.receive(worker, Deadline(0), op)  # answered just now?
+            except (WaitTimeout, SubEnvCrashed, TransportError):
+                hung.append(worker)
+        for worker in hung:
+            worker.kill()
+        details = []
+        for worker in hung:
+            worker.watch.wait_dead(1.0)
+            details.append(self.crashed(worker, f"during {what}").args[0])
+        return timed_out(what, timeout, details, hung)
+
+    def dead_positions(self) -> list[int]:
+        """Positions (in ``workers``) of the sandboxes known or found dead."""
+        return [k for k, w in enumerate(self.workers) if not w.alive()]

@@ -1,0 +1,168 @@
+"""Spaces and actions of a vector env: batching the sub-envs' spaces as AsyncVectorEnv
+does, and turning a batch of actions into what the workers read."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium import Space, spaces
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
+
+from gym_fork.errors import BadActionError
+from gym_fork.transport.slab import Slab
+from gym_fork.transport.slab import leaves as slab_leaves
+
+
+@dataclass
+class VectorSpaces:
+    """The single and batched spaces of a vector env, and how observations are checked
+    against the sub-envs' own (``check_mode``: same, different or custom)."""
+
+    single_observation_space: Space
+    observation_space: Space
+    single_action_space: Space
+    action_space: Space
+    sub_env_observation_spaces: list[Space]
+    check_mode: str
+
+    @classmethod
+    def from_hellos(cls, observation_mode: Any, hellos: list[dict[str, Any]]) -> VectorSpaces:
+        """Batch the spaces the workers reported, as ``observation_mode`` asks."""
+        obs_spaces = [s for h in hellos for s in cloudpickle.loads(h["observation_spaces"])]
+        act_spaces = [s for h in hellos for s in cloudpickle.loads(h["action_spaces"])]
+        single_action = act_spaces[0]
+        action_space = batch_space(single_action, len(act_spaces))
+        mode = observation_mode
+        if isinstance(mode, tuple) and len(mode) == 2:
+            if not isinstance(mode[0], Space) or not isinstance(mode[1], Space):
+                raise TypeError(
+                    "Expected both elements of observation_mode to be Spaces, got "
+                    f"{type(mode[0])} and {type(mode[1])}"
+                )
+            batched, single = mode
+            check = "custom"
+        elif mode == "same":
+            single = obs_spaces[0]
+            batched = batch_space(single, len(obs_spaces))
+            check = "same"
+        elif mode == "different":
+            single = obs_spaces[0]
+            batched = batch_differing_spaces(obs_spaces)
+            check = "different"
+        else:
+            raise ValueError(
+                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+                f"and batch observation space, actual got {mode}"
+            )
+        return cls(single, batched, single_action, action_space, obs_spaces, check)
+
+    def for_branch(self, observation_mode: Any, sources: list[int]) -> VectorSpaces:
+        """The spaces of a branch whose sub-env j continues sub-env ``sources[j]``."""
+        n = len(sources)
+        sub_env_spaces = [self.sub_env_observation_spaces[i] for i in sources]
+        if observation_mode == "different":
+            batched = batch_differing_spaces(sub_env_spaces)
+        elif isinstance(observation_mode, tuple):
+            batched = self.observation_space  # custom: as given
+        else:
+            batched = batch_space(self.single_observation_space, n)
+        return VectorSpaces(
+            self.single_observation_space,
+            batched,
+            self.single_action_space,
+            batch_space(self.single_action_space, n),
+            sub_env_spaces,
+            self.check_mode,
+        )
+
+
+@functools.singledispatch
+def integer_bounds(space: Space) -> tuple[Any, Any] | None:
+    """(low, high) of an integer action space, for ``check_actions`` on the slab path;
+    None for spaces that are not checked there. Register a custom space with
+    ``@integer_bounds.register``."""
+    return None
+
+
+@integer_bounds.register
+def _(space: spaces.Discrete) -> tuple[Any, Any]:
+    return space.start, space.start + space.n - 1
+
+
+@integer_bounds.register
+def _(space: spaces.MultiDiscrete) -> tuple[Any, Any]:
+    return space.start, space.start + space.nvec - 1
+
+
+@integer_bounds.register
+def _(space: spaces.MultiBinary) -> tuple[Any, Any]:
+    return 0, 1
+
+
+class ActionWriter:
+    """Turns a batch of actions into the workers' requests: into the slab (fast path)
+    or one list per worker. Checks them first when ``check_actions`` is on."""
+
+    def __init__(self, vector_spaces: VectorSpaces, slab: Slab, check: bool) -> None:
+        self.spaces = vector_spaces
+        self.slab = slab
+        self.check = check
+        self.bounds = []
+        if check and slab.actions is not None:
+            for leaf in slab_leaves(slab.actions):
+                bounds = integer_bounds(leaf.space)
+                if bounds is not None:
+                    self.bounds.append((leaf.space, *bounds, leaf))
+
+    def write_slab(self, actions: Any) -> bool:
+        """Write an exact batch into the slab; False (nothing written) otherwise."""
+        slab_actions = self.slab.actions
+        if slab_actions is None or not slab_actions.accepts(actions):
+            return False
+        slab_actions.write_batch(actions)
+        # Checked where they landed (no request goes out if one is outside its space).
+        for space, low, high, leaf in self.bounds:
+            values = leaf.array
+            outside = (values < low) | (values > high)
+            if np.any(outside):
+                bad = np.flatnonzero(np.any(outside, axis=tuple(range(1, values.ndim))))
+                raise BadActionError(
+                    f"actions for sub-envs {bad.tolist()} are outside {space}: "
+                    f"{values[bad].tolist()}"
+                )
+        return True
+
+    def per_sub_env(self, actions: Any) -> list[Any]:
+        """One action per sub-env, as AsyncVectorEnv passes them (checked if asked)."""
+        action_space = self.spaces.action_space
+        num_envs = len(self.spaces.sub_env_observation_spaces)
+        expected = action_space.shape
+        if (
+            isinstance(actions, np.ndarray)
+            and expected is not None
+            and (actions.ndim != len(expected) or actions.shape[:1] != (num_envs,))
+        ):
+            raise BadActionError(
+                f"expected a batch of actions of shape {expected} for "
+                f"{action_space}, got an array of shape {actions.shape}"
+            )
+        try:
+            per_env = list(iterate(action_space, actions))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise BadActionError(
+                f"actions do not fit the batched action space {action_space}: {exc}"
+            ) from exc
+        if len(per_env) != num_envs:
+            raise BadActionError(
+                f"expected {num_envs} actions (one per sub-env), got {len(per_env)}"
+            )
+        if self.check:
+            single = self.spaces.single_action_space
+            for i, action in enumerate(per_env):
+                if not single.contains(action):
+                    raise BadActionError(f"action for sub-env {i} is outside {single}: {action!r}")
+        return per_env
