@@ -29,6 +29,14 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(70)
 
 
+def wait_readable(fd: int, timeout: float | None) -> bool:
+    """True once ``fd`` is readable (or hung up) within ``timeout`` seconds (None:
+    forever). poll, not select: select cannot watch an fd number above 1023."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
 class ProcessWatch:
     """Liveness of a process that is not our child, through a pidfd."""
 
@@ -42,8 +50,7 @@ class ProcessWatch:
     def alive(self) -> bool:
         if self.fd < 0:
             return False
-        readable, _, _ = select.select([self.fd], [], [], 0)
-        return not readable
+        return not wait_readable(self.fd, 0)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.fd >= 0:
@@ -54,8 +61,7 @@ class ProcessWatch:
         """True once the process has exited (within ``timeout`` seconds)."""
         if self.fd < 0:
             return True
-        readable, _, _ = select.select([self.fd], [], [], timeout)
-        return bool(readable)
+        return wait_readable(self.fd, timeout)
 
     def close(self) -> None:
         if self.fd >= 0:

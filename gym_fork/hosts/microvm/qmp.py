@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import array
 import json
-import select
 import socket
 import time
 from typing import Any
+
+from gym_fork.system.linux import wait_readable
 
 
 class QMPError(RuntimeError):
@@ -39,8 +40,7 @@ class QMP:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise QMPError(f"QEMU's monitor did not answer within {self.timeout} s")
-            readable, _, _ = select.select([self.sock], [], [], left)
-            if not readable:
+            if not wait_readable(self.sock.fileno(), left):
                 continue
             chunk = self.sock.recv(65536)
             if not chunk:
@@ -72,19 +72,6 @@ class QMP:
                 error = reply["error"]
                 raise QMPError(f"{name}: {error.get('class')}: {error.get('desc')}")
             return reply.get("return")
-
-    def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
-        """The next event called ``name`` (also one that arrived during a command)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for k, event in enumerate(self.events):
-                if event["event"] == name:
-                    return self.events.pop(k)
-            if time.monotonic() >= deadline:
-                raise QMPError(f"no {name} event within {timeout} s")
-            message = self._read_message(deadline)
-            if "event" in message:
-                self.events.append(message)
 
     def close(self) -> None:
         self.sock.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from gym_fork.hosts.base import (
 )
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
-from gym_fork.system.linux import ProcessWatch, raise_fd_limit
+from gym_fork.system.linux import ProcessWatch, raise_fd_limit, wait_readable
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
 from gym_fork.worker import protocol as P
@@ -151,8 +150,7 @@ class ProcessHost(SharedByBranches):
         self.tree_isolation = reply.get("isolation", {})
 
     def _request_reply(self, timeout: float | None, what: str) -> dict:
-        readable, _, _ = select.select([self.sock], [], [], timeout)
-        if not readable:
+        if not wait_readable(self.sock.fileno(), timeout):
             raise SandboxStartError(f"{what}: no answer within {timeout} s")
         try:
             message, _ = recv_message(self.sock)
