@@ -4,6 +4,11 @@ One daemon thread per host drains every sandbox's two pipes (a sandbox must neve
 on a full pipe), keeps the last ``limit`` bytes of each stream for diagnostics (crash
 and timeout errors quote them), and by default echoes the bytes to the controller's own
 stdout/stderr, as AsyncVectorEnv's workers print to the terminal.
+
+Echoing never blocks the controller: the drained bytes go to a bounded queue that a
+second thread writes out without holding any lock. When the controller's stdout is
+stalled (a full pipe nobody reads) the queue fills, further output is dropped and
+counted, and a note says how much once writing works again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,67 @@ import threading
 from collections import deque
 
 DEFAULT_LIMIT = 64 * 1024
+# Bytes of sandbox output waiting to be echoed before more is dropped.
+ECHO_BUFFER = 1 << 20
+
+
+class _Echo:
+    """A bounded queue of output to copy to fds 1 and 2, written by its own thread.
+
+    ``put`` never blocks; only the echo thread ever waits on a write."""
+
+    def __init__(self, capacity: int = ECHO_BUFFER) -> None:
+        self.capacity = capacity
+        self.queue: deque[tuple[int, bytes]] = deque()
+        self.size = 0
+        self.dropped = 0
+        self.closed = False
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="gym_fork-echo", daemon=True)
+        self._thread.start()
+
+    def put(self, fd: int, data: bytes) -> None:
+        """Queue ``data`` for ``fd``; drop (and count) it when the queue is full."""
+        with self._ready:
+            if self.size + len(data) > self.capacity:
+                self.dropped += len(data)
+                return
+            self.queue.append((fd, data))
+            self.size += len(data)
+            self._ready.notify()
+
+    def close(self) -> None:
+        """Stop after what is queued (a writer stuck on a stalled fd is abandoned)."""
+        with self._ready:
+            self.closed = True
+            self._ready.notify()
+        self._thread.join(0.2)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self.queue and not self.closed:
+                    self._ready.wait()
+                if not self.queue:
+                    return
+                fd, data = self.queue.popleft()
+                self.size -= len(data)
+                dropped, self.dropped = self.dropped, 0
+            if dropped:
+                note = f"\n[gym_fork: {dropped} bytes of sandbox output dropped: output stalled]\n"
+                _write_all(2, note.encode())
+            _write_all(fd, data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except InterruptedError:
+            continue
+        except OSError:
+            return
 
 
 class _Stream:
@@ -42,8 +108,10 @@ class OutputCollector:
         self._streams: dict[tuple[str, str], _Stream] = {}
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
+        self._echo = _Echo() if echo else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gym_fork-output", daemon=True)
@@ -60,7 +128,11 @@ class OutputCollector:
                 os.set_blocking(fd, False)
                 self._streams[(key, name)] = _Stream(self.limit)
                 self._selector.register(fd, selectors.EVENT_READ, (key, name))
-        os.write(self._wake_w, b"x")
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full wake pipe wakes it already
+            os.write(self._wake_w, b"x")
 
     def tail(self, key: str, stream: str = "stderr") -> str:
         """The last bytes a sandbox wrote on ``stream`` (decoded leniently)."""
@@ -87,8 +159,10 @@ class OutputCollector:
             if self._closed:
                 return
             self._closed = True
-        os.write(self._wake_w, b"x")
+        self._wake()
         self._thread.join(2.0)
+        if self._echo is not None:
+            self._echo.close()
         for fd in list(self._selector.get_map()):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -118,9 +192,8 @@ class OutputCollector:
         stream = self._streams.get(data)
         if stream is not None:
             stream.add(chunk)
-        if self.echo:
-            with contextlib.suppress(OSError):
-                os.write(1 if data[1] == "stdout" else 2, chunk)
+        if self._echo is not None:
+            self._echo.put(1 if data[1] == "stdout" else 2, chunk)
         return True
 
     def _run(self) -> None:

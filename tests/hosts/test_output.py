@@ -1,0 +1,76 @@
+"""Sandbox output capture never blocks the controller (hosts/output.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from gym_fork.hosts.output import _Echo
+
+LOUD_CONTROLLER = textwrap.dedent(
+    """
+    import os, sys
+    import gymnasium as gym
+    import numpy as np
+    from gym_fork import ForkVectorEnv
+
+    class LoudEnv(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (2,))
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(2, np.float32), {}
+
+        def step(self, action):
+            sys.stdout.write("x" * 200_000 + "\\n")
+            sys.stdout.flush()
+            return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    envs = ForkVectorEnv([LoudEnv, LoudEnv], envs_per_worker=1, timeout=20)
+    envs.reset(seed=0)
+    for _ in range(40):  # 16 MB through a stdout nobody reads
+        envs.step(np.array([0, 1]))
+    envs.close()
+    with open(sys.argv[1], "w") as f:
+        f.write("done")
+    os._exit(0)
+    """
+)
+
+
+def test_a_stalled_controller_stdout_blocks_neither_step_nor_close(tmp_path):
+    marker = tmp_path / "done"
+    # stdout is a pipe this test never reads: it fills after 64 KiB.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOUD_CONTROLLER, str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), f"the controller hung (exit code {proc.poll()})"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_echo_drops_and_counts_what_a_stalled_reader_cannot_take():
+    read_end, write_end = os.pipe()
+    echo = _Echo(capacity=256 * 1024)
+    try:
+        started = time.perf_counter()
+        for _ in range(64):
+            echo.put(write_end, b"y" * 65536)  # 4 MiB into a pipe nobody reads
+        assert time.perf_counter() - started < 1.0
+        assert echo.dropped > 0
+        assert echo.size <= echo.capacity
+    finally:
+        os.close(read_end)  # the stuck writer gets EPIPE and moves on
+        echo.close()
+        os.close(write_end)
