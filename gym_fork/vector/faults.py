@@ -6,6 +6,8 @@ code, its last stderr lines) and raise what these functions build.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import signal
 import time
 from typing import Any
@@ -58,6 +60,23 @@ class SubEnvError(GymForkError):
         self.remote_traceback = traceback
 
 
+@functools.cache
+def _untrusted_error_type(type_name: str) -> type[SubEnvError]:
+    """SubEnvError, also an instance of the builtin exception the sandbox named (so that
+    ``except ValueError`` still works) without loading anything the sandbox sent."""
+    builtin = getattr(builtins, type_name, None)
+    if (
+        isinstance(builtin, type)
+        and issubclass(builtin, Exception)
+        and not issubclass(builtin, SubEnvError)
+    ):
+        try:
+            return type(f"SubEnvError[{type_name}]", (SubEnvError, builtin), {})
+        except TypeError:  # a builtin whose layout cannot be mixed in
+            return SubEnvError
+    return SubEnvError
+
+
 def _text(value: Any, limit: int = 64 * 1024) -> str:
     return value[:limit] if isinstance(value, str) else repr(value)[:limit]
 
@@ -84,7 +103,7 @@ def worker_exception(
         if trusted:
             exc = RuntimeError(f"{type_name}: {message}")
         else:
-            exc = SubEnvError(
+            exc = _untrusted_error_type(type_name)(
                 f"{type_name}: {message}", index=index, type_name=type_name, traceback=trace
             )
     what = "while building" if building else "in"
@@ -102,9 +121,11 @@ def errors_exception(
     exc: BaseException | None = None
     for record in ordered:
         exc = worker_exception(record, building=building, trusted=trusted)
-        logger.error(
-            f"sub-env {getattr(exc, 'gym_fork_index', '?')} raised {type(exc).__name__}: {exc}"
-        )
+        if isinstance(record, dict):
+            logger.error(
+                f"sub-env {record.get('index')} raised {_text(record.get('type'), 200)}: "
+                f"{_text(record.get('message'), 2000)}"
+            )
     logger.error("Raising the last sub-env's exception in the controller.")
     return exc
 

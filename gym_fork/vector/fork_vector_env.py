@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 from gymnasium import Env, Space, logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
@@ -23,11 +22,13 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.lineage import Lineage
 from gym_fork.system.isolation import SandboxLimits
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.transport.slab import async_shares, slab_node
+from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
 from . import provenance
@@ -213,10 +214,14 @@ class ForkVectorEnv(VectorEnv):
     def _start(self, hellos: list[dict[str, Any]]) -> None:
         """Spaces and metadata from the workers' HELLOs, then the slab and ATTACH."""
         first = hellos[0]
-        self.metadata = dict(cloudpickle.loads(first["metadata"]))
+        trusted = self.config.trusted
+        try:
+            self.metadata = mapping_from_data(first.get("metadata"), trusted=trusted)
+        except SpaceRefused as exc:
+            raise SandboxStartError(f"a sandbox reported malformed metadata: {exc}") from exc
         self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = first["render_mode"]
-        self._adopt_spaces(VectorSpaces.from_hellos(self.observation_mode, hellos))
+        self.render_mode = first.get("render_mode")
+        self._adopt_spaces(VectorSpaces.from_hellos(self.observation_mode, hellos, trusted=trusted))
         single = self.single_observation_space
         if self.shared_memory and not async_shares(single):
             raise ValueError(

@@ -7,14 +7,14 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import numpy as np
 from gymnasium import Space, spaces
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
-from gym_fork.errors import BadActionError
+from gym_fork.errors import BadActionError, SandboxStartError
 from gym_fork.transport.slab import Slab
 from gym_fork.transport.slab import leaves as slab_leaves
+from gym_fork.transport.space_codec import SpaceRefused, space_from_data
 
 
 @dataclass
@@ -30,10 +30,22 @@ class VectorSpaces:
     check_mode: str
 
     @classmethod
-    def from_hellos(cls, observation_mode: Any, hellos: list[dict[str, Any]]) -> VectorSpaces:
-        """Batch the spaces the workers reported, as ``observation_mode`` asks."""
-        obs_spaces = [s for h in hellos for s in cloudpickle.loads(h["observation_spaces"])]
-        act_spaces = [s for h in hellos for s in cloudpickle.loads(h["action_spaces"])]
+    def from_hellos(
+        cls, observation_mode: Any, hellos: list[dict[str, Any]], *, trusted: bool
+    ) -> VectorSpaces:
+        """Batch the spaces the workers reported, as ``observation_mode`` asks (a pickled
+        space is loaded only from ``trusted`` sandboxes)."""
+        try:
+            obs_spaces = [
+                space_from_data(s, trusted=trusted) for h in hellos for s in h["observation_spaces"]
+            ]
+            act_spaces = [
+                space_from_data(s, trusted=trusted) for h in hellos for s in h["action_spaces"]
+            ]
+        except (KeyError, TypeError) as exc:
+            raise SandboxStartError(f"a sandbox reported malformed spaces: {exc!r:.200}") from exc
+        except SpaceRefused as exc:
+            raise SandboxStartError(f"a sandbox's spaces were refused: {exc}") from exc
         single_action = act_spaces[0]
         action_space = batch_space(single_action, len(act_spaces))
         mode = observation_mode

@@ -27,6 +27,7 @@ from gym_fork.errors import BadObservationError
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack
 from gym_fork.transport.slab import Slab
+from gym_fork.transport.space_codec import mapping_to_data, space_to_data
 
 from . import protocol as P
 from .protocol import error_record
@@ -118,13 +119,16 @@ class Worker:
             self.channel.send([P.HELLO, 0, self.identity(), None])
             return True
         first = self.slots[0].env
+        # Plain data, not pickles: an untrusted sandbox's HELLO is read without loading
+        # any pickle (transport/space_codec.py).
+        spec_id = getattr(first.spec, "id", None)
         info = {
             **self.identity(),
-            "spec_id": getattr(first.spec, "id", None),
-            "metadata": cloudpickle.dumps(dict(first.metadata)),
-            "render_mode": first.render_mode,
-            "observation_spaces": cloudpickle.dumps([s.env.observation_space for s in self.slots]),
-            "action_spaces": cloudpickle.dumps([s.env.action_space for s in self.slots]),
+            "spec_id": spec_id if isinstance(spec_id, str) else None,
+            "metadata": mapping_to_data(dict(first.metadata)),
+            "render_mode": first.render_mode if isinstance(first.render_mode, str) else None,
+            "observation_spaces": [space_to_data(s.env.observation_space) for s in self.slots],
+            "action_spaces": [space_to_data(s.env.action_space) for s in self.slots],
         }
         self.channel.send([P.HELLO, 0, info, None])
         return True
