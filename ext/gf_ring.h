@@ -12,6 +12,7 @@
 #define GF_ETOOBIG -6        /* record can never fit in this ring */
 #define GF_ECOUNTERS -7      /* the shared positions are inconsistent (written by a third party) */
 #define GF_EINVAL -8         /* bad arguments (capacity not a power of two, ...) */
+#define GF_EINTR -9          /* a signal interrupted the wait; nothing was written or read */
 #define GF_WAKE 1            /* written; the polling peer sleeps on its doorbell: ring it */
 
 #define GF_RING_MAGIC 0x47465247u   /* "GRFG": the control block is initialised */
@@ -47,13 +48,24 @@ typedef struct gf_ring {
     uint8_t data[];
 } gf_ring;
 
+/* One party's private view of a ring (never in shared memory; invariant 12): its own
+ * counter as it last left it, a lower bound of the peer's counter, and the state of a
+ * wait cut into slices (interval 0: no wait in progress). */
+typedef struct gf_side {
+    uint64_t write_pos;  /* producer: exactly the shared write_pos; consumer: a lower bound */
+    uint64_t read_pos;   /* consumer: exactly the shared read_pos; producer: a lower bound */
+    int64_t slept;       /* polling time already slept by earlier slices of this wait */
+    int64_t interval;    /* next polling sleep; 0 when no wait is in progress */
+} gf_side;
+
 uint64_t gf_ring_control_size(void);
+void gf_side_sync(const gf_ring *ring, gf_side *side);
 int gf_ring_init(gf_ring *ring, uint64_t capacity, uint32_t spin);
 int gf_ring_check(const gf_ring *ring, uint64_t capacity);
-int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, const void *head,
+int gf_ring_write(gf_ring *ring, uint64_t cap, uint32_t spin, gf_side *side, const void *head,
                   uint32_t head_len, const void *body, uint32_t body_len, int64_t timeout_ns);
-int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, void *out, uint64_t out_cap,
-                     int64_t timeout_ns, uint64_t *needed, int bell_fd);
+int64_t gf_ring_read(gf_ring *ring, uint64_t cap, uint32_t spin, gf_side *side, void *out,
+                     uint64_t out_cap, int64_t timeout_ns, uint64_t *needed, int bell_fd);
 uint64_t gf_ring_pending(const gf_ring *ring);
 uint32_t gf_ring_consumer_sleeping(const gf_ring *ring);
 #endif
