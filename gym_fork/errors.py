@@ -26,6 +26,23 @@ class TransportError(GymForkError):
         self.reason = reason
 
 
+class PeerGone(TransportError):
+    """The other end of a ring died (its ``alive`` check failed) while this side waited
+    for it; ``reason`` is ``"peer_gone"``."""
+
+    code = "peer_gone"
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message, worker=worker, reason="peer_gone")
+
+
+class ControlMessageError(TransportError, EOFError):
+    """A control-socket message broke its framing (too long, too many or missing fds,
+    undecodable). Also an ``EOFError``: the connection is unusable after it."""
+
+    code = "control_message"
+
+
 class RingTimeout(GymForkError):
     """Nothing arrived on (or no space freed in) a ring before the deadline."""
 
