@@ -1,12 +1,20 @@
-"""Python face of the C ring (ext/gf_ring.c): records in, records out, typed errors."""
+"""Python face of the C ring (ext/gf_ring.c): records in, records out, typed errors.
+
+Every wait is cut into slices of at most :data:`SLICE` seconds (ext/gf_ring.c,
+invariant 13): between slices Python runs signal handlers (Ctrl-C), checks the overall
+deadline and, when given, whether the peer is still alive. The first slice is the only
+work done when a record or space is there at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Callable
 
 from gym_fork._ring import ffi, lib
-from gym_fork.errors import RingTimeout, TransportError
+from gym_fork.errors import PeerGone, RingTimeout, TransportError
 
 from .region import Region
 
@@ -34,8 +42,54 @@ def ring_bytes(capacity: int) -> int:
     return CONTROL_BYTES + capacity
 
 
-def _timeout_ns(timeout: float | None) -> int:
-    return -1 if timeout is None else max(0, int(timeout * 1e9))
+# Longest single wait in C: the bound on how late a signal handler, a deadline or a
+# dead peer is noticed.
+SLICE = 0.1
+_SLICE_NS = int(SLICE * 1e9)
+_WAITING = (lib.GF_ETIMEDOUT, lib.GF_EINTR)
+
+
+def _slice_ns(timeout: float) -> int:
+    """The first slice of a wait of ``timeout`` seconds, in ns."""
+    if timeout >= SLICE:
+        return _SLICE_NS
+    return int(timeout * 1e9) if timeout > 0 else 0
+
+
+class _Wait:
+    """The rest of a wait after its first slice: the deadline and the peer check."""
+
+    __slots__ = ("alive", "deadline", "ring", "timeout")
+
+    def __init__(
+        self, ring: Ring, rc: int, timeout: float | None, alive: Callable[[], bool] | None
+    ) -> None:
+        self.ring = ring
+        self.timeout = timeout
+        self.alive = alive
+        if timeout is None:
+            self.deadline = None
+        else:
+            # A first slice that timed out used all of itself; one cut by a signal is
+            # counted as nothing (a deadline at most one slice late, never early).
+            spent = min(timeout, SLICE) if rc == lib.GF_ETIMEDOUT else 0.0
+            self.deadline = time.monotonic() + max(0.0, timeout - spent)
+
+    def next_slice(self, writing: bool) -> int:
+        """ns for the next slice; raises when the peer is gone or the deadline passed."""
+        name = self.ring.name
+        if self.alive is not None and not self.alive():
+            waited = "for space in a full ring" if writing else "for a record"
+            raise PeerGone(f"ring {name!r}: its peer is gone (this side waited {waited})",
+                           worker=name)  # fmt: skip
+        if self.deadline is None:
+            return _SLICE_NS
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            if writing:
+                raise RingTimeout(f"ring {name!r} stayed full for {self.timeout} s")
+            raise RingTimeout(f"ring {name!r}: nothing arrived within {self.timeout} s")
+        return _SLICE_NS if left >= SLICE else int(left * 1e9)
 
 
 class Ring:
@@ -80,12 +134,30 @@ class Ring:
         # the fd to write a byte to when the peer sleeps on its own (writes). -1: none.
         self.bell_fd = -1
         self.peer_bell_fd = -1
+        # This side's private view of the counters (invariant 12): never in shared memory.
+        self._side = ffi.new("gf_side *")
+        lib.gf_side_sync(self._ring, self._side)
         self._out = bytearray(4096)
         self._out_c = ffi.from_buffer(self._out)
         self._needed = ffi.new("uint64_t *")
 
-    def write(self, head: bytes, body=None, timeout: float | None = None) -> None:
-        """Append one record (``head`` then the bytes-like ``body``); wait while full."""
+    def sync(self) -> None:
+        """Adopt the counters now in the control block (after they were set from a copy)."""
+        lib.gf_side_sync(self._ring, self._side)
+
+    def write(
+        self,
+        head: bytes,
+        body=None,
+        timeout: float | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Append one record (``head`` then the bytes-like ``body``); wait while full.
+
+        ``timeout=None`` waits for space as long as ``alive()`` (checked between slices)
+        stays true, or forever without it; Ctrl-C interrupts the wait either way.
+        Raises :class:`RingTimeout`, :class:`PeerGone` or :class:`TransportError`.
+        """
         if body is None:
             body_len, body_ptr = 0, ffi.NULL
         else:
@@ -95,21 +167,39 @@ class Ring:
             self._ring,
             self.capacity,
             self.spin,
+            self._side,
             head,
             len(head),
             body_ptr,
             body_len,
-            -1 if timeout is None else _timeout_ns(timeout),
+            _SLICE_NS if timeout is None else _slice_ns(timeout),
         )
         if rc != lib.GF_OK:
-            if rc == lib.GF_WAKE:
-                self._ring_peer()
-                return
-            self._raise_write(rc, len(head) + body_len, timeout)
+            self._write_rest(rc, head, len(head), body_ptr, body_len, timeout, alive)
 
-    def _raise_write(self, rc: int, size: int, timeout: float | None) -> None:
-        if rc == lib.GF_ETIMEDOUT:
-            raise RingTimeout(f"ring {self.name!r} stayed full for {timeout} s")
+    def _write_rest(self, rc, head, head_len, body, body_len, timeout, alive) -> None:
+        """Everything after a first slice that did not simply write the record."""
+        if rc == lib.GF_WAKE:
+            self._ring_peer()
+            return
+        if rc not in _WAITING:
+            self._raise_write(rc, head_len + body_len)
+        wait = _Wait(self, rc, timeout, alive)
+        try:
+            while rc in _WAITING:
+                ns = wait.next_slice(writing=True)
+                rc = lib.gf_ring_write(
+                    self._ring, self.capacity, self.spin, self._side,
+                    head, head_len, body, body_len, ns,
+                )  # fmt: skip
+        finally:
+            self._side.interval = self._side.slept = 0
+        if rc == lib.GF_WAKE:
+            self._ring_peer()
+        elif rc != lib.GF_OK:
+            self._raise_write(rc, head_len + body_len)
+
+    def _raise_write(self, rc: int, size: int) -> None:
         if rc == lib.GF_ETOOBIG:
             raise TransportError(
                 f"ring {self.name!r}: a record of {size} bytes can never fit "
@@ -119,8 +209,15 @@ class Ring:
             )
         raise self._corrupt(rc)
 
-    def write_tagged(self, record, tag: int, timeout: float | None = None) -> None:
-        """Append ``record`` followed by one tag byte (no per-call buffer export for bytes)."""
+    def write_tagged(
+        self,
+        record,
+        tag: int,
+        timeout: float | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Append ``record`` followed by one tag byte (no per-call buffer export for bytes);
+        waits as :meth:`write` does."""
         size = len(record) if type(record) is bytes else memoryview(record).nbytes
         if type(record) is not bytes:
             record = ffi.from_buffer(record)
@@ -128,39 +225,80 @@ class Ring:
             self._ring,
             self.capacity,
             self.spin,
+            self._side,
             record,
             size,
             _TAGS[tag],
             1,
-            -1 if timeout is None else _timeout_ns(timeout),
+            _SLICE_NS if timeout is None else _slice_ns(timeout),
         )
         if rc != lib.GF_OK:
-            if rc == lib.GF_WAKE:
-                self._ring_peer()
-                return
-            self._raise_write(rc, size + 1, timeout)
+            self._write_rest(rc, record, size, _TAGS[tag], 1, timeout, alive)
 
-    def read(self, timeout: float | None = None) -> memoryview:
-        """Take the next record; the view is valid until the next ``read``."""
+    def read(
+        self, timeout: float | None = None, alive: Callable[[], bool] | None = None
+    ) -> memoryview:
+        """Take the next record; the view is valid until the next ``read``.
+
+        ``timeout=None`` waits as long as ``alive()`` (checked between slices) stays
+        true, or forever without it; Ctrl-C interrupts the wait either way. A record
+        the peer published before it died is still returned.
+        Raises :class:`RingTimeout`, :class:`PeerGone` or :class:`TransportError`.
+        """
+        n = lib.gf_ring_read(
+            self._ring,
+            self.capacity,
+            self.spin,
+            self._side,
+            self._out_c,
+            len(self._out),
+            _SLICE_NS if timeout is None else _slice_ns(timeout),
+            self._needed,
+            self.bell_fd,
+        )
+        if n >= 0:
+            return memoryview(self._out)[:n]
+        return self._read_rest(n, timeout, alive)
+
+    def _take(self, ns: int) -> int:
+        """One slice of reading, growing the buffer for a record that does not fit."""
         while True:
             n = lib.gf_ring_read(
-                self._ring,
-                self.capacity,
-                self.spin,
-                self._out_c,
-                len(self._out),
-                _timeout_ns(timeout),
-                self._needed,
-                self.bell_fd,
-            )
+                self._ring, self.capacity, self.spin, self._side, self._out_c,
+                len(self._out), ns, self._needed, self.bell_fd,
+            )  # fmt: skip
+            if n != lib.GF_ETOOSMALL:
+                return n
+            # Bounded: a record's length never exceeds what was published (<= capacity).
+            self._grow(int(self._needed[0]))
+            ns = 0
+
+    def _read_rest(self, n: int, timeout, alive) -> memoryview:
+        """Everything after a first slice that did not simply return a record."""
+        if n == lib.GF_ETOOSMALL:
+            self._grow(int(self._needed[0]))
+            n = self._take(0)
+        if n not in _WAITING:
             if n >= 0:
                 return memoryview(self._out)[:n]
-            if n == lib.GF_ETOOSMALL:
-                self._grow(int(self._needed[0]))
-                continue
-            if n == lib.GF_ETIMEDOUT:
-                raise RingTimeout(f"ring {self.name!r}: nothing arrived within {timeout} s")
             raise self._corrupt(n)
+        wait = _Wait(self, n, timeout, alive)
+        try:
+            while n in _WAITING:
+                try:
+                    ns = wait.next_slice(writing=False)
+                except PeerGone:
+                    # What the peer published before it died is still its last word.
+                    n = self._take(0)
+                    if n in _WAITING:
+                        raise
+                    break
+                n = self._take(ns)
+        finally:
+            self._side.interval = self._side.slept = 0
+        if n < 0:
+            raise self._corrupt(n)
+        return memoryview(self._out)[:n]
 
     def _ring_peer(self) -> None:
         """The reader sleeps on its doorbell: one byte wakes it (a full or closed bell
@@ -194,6 +332,14 @@ class Ring:
 
     def _corrupt(self, rc: int) -> TransportError:
         reason = _REASONS.get(rc, str(rc))
+        if rc == lib.GF_ECOUNTERS:
+            return TransportError(
+                f"ring {self.name!r}: its shared positions are inconsistent (one moved "
+                "backwards, or they are further apart than the ring is long); the peer "
+                "wrote over the ring's control block",
+                worker=self.name,
+                reason=reason,
+            )
         return TransportError(
             f"ring {self.name!r}: corrupt record ({reason}); the peer wrote bytes that are "
             "not a valid gym_fork record",
