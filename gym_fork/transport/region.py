@@ -1,10 +1,82 @@
-"""Anonymous shared-memory regions (memfd): nothing is ever left in /dev/shm."""
+"""Anonymous shared-memory regions (memfd): nothing is ever left in /dev/shm.
+
+Every memfd gym_fork shares with a sandbox is sealed against shrinking and growing
+(F_SEAL_SHRINK, F_SEAL_GROW, then F_SEAL_SEAL): a sandbox holding the fd cannot truncate
+it under the controller's mapping, which would kill the controller with SIGBUS.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import stat
+
+from gym_fork.errors import TransportError
+
+# What a memfd must carry before a mapping of it is trusted.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def seal_memfd(fd: int) -> None:
+    """Freeze the size of ``fd`` (a memfd made with ``MFD_ALLOW_SEALING``, already
+    sized): nobody holding it can shrink or grow it, or change its seals, afterwards."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    except OSError as exc:
+        raise TransportError(
+            f"cannot seal shared memory fd {fd} ({exc.strerror}); it must be a memfd "
+            "created with MFD_ALLOW_SEALING whose seals are not yet fixed",
+            reason="unsealed",
+        ) from exc
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes, close-on-exec and sealed (see :func:`seal_memfd`).
+
+    Use it for every memfd a sandbox may hold, instead of memfd_create + ftruncate.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        seal_memfd(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_shared_fd(fd: int, size: int, offset: int = 0, *, name: str = "region") -> None:
+    """Refuse to map ``fd`` if its peer could pull the memory out from under a mapping.
+
+    A regular file (a memfd) must carry :data:`REQUIRED_SEALS` and hold at least
+    ``offset + size`` bytes. A character device (``/dev/mem`` inside a microVM guest,
+    mapped at an offset) has no size to shrink and is accepted as it is.
+    """
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # a file system without seals: anyone may truncate it
+    missing = REQUIRED_SEALS & ~seals
+    if missing:
+        raise TransportError(
+            f"{name}: the shared memory fd is not sealed against resizing (seals "
+            f"{seals:#x}, need {REQUIRED_SEALS:#x}); whoever holds it could shrink it "
+            "under this mapping. Create it with gym_fork.transport.region.sealed_memfd "
+            "(or size it, then seal_memfd).",
+            worker=name,
+            reason="unsealed",
+        )
+    if info.st_size < offset + size:
+        raise TransportError(
+            f"{name}: the shared memory fd holds {info.st_size} bytes, {offset + size} expected",
+            worker=name,
+            reason="short",
+        )
 
 
 class Region:
@@ -12,23 +84,35 @@ class Region:
 
     The creator and every process that receives ``fd`` (fork or SCM_RIGHTS) see the
     same bytes. The kernel frees the memory when the last fd and mapping are gone.
+    A region made here is sealed (:func:`sealed_memfd`); :meth:`attach` refuses a memfd
+    that is not, or that is smaller than the mapping.
     """
 
     def __init__(
         self, size: int, *, name: str = "gym_fork", fd: int | None = None, offset: int = 0
     ) -> None:
         self.size = size
+        own = fd is None
         if fd is None:
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
+            fd = sealed_memfd(name, size)
         self.fd = fd
-        self.map = mmap.mmap(
-            fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
-        )
+        try:
+            self.map = mmap.mmap(
+                fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+            )
+        except BaseException:
+            if own:
+                os.close(fd)
+            raise
 
     @classmethod
-    def attach(cls, fd: int, size: int, offset: int = 0) -> Region:
-        """Map an existing region received as ``fd`` (from ``offset``: /dev/mem in a VM)."""
+    def attach(cls, fd: int, size: int, offset: int = 0, *, name: str = "region") -> Region:
+        """Map an existing region received as ``fd`` (from ``offset``: /dev/mem in a VM).
+
+        Raises :class:`TransportError` (reason ``unsealed`` or ``short``) for a memfd
+        that its other holders could resize; ``fd`` stays open then (the caller's).
+        """
+        check_shared_fd(fd, size, offset, name=name)
         return cls(size, fd=fd, offset=offset)
 
     def forget_fd(self) -> None:
