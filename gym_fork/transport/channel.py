@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
-from gym_fork.errors import RingTimeout, TransportError
+from gym_fork.errors import PeerGone, RingTimeout, TransportError
 
 from .codec import pack, unpack
 from .region import Region
@@ -15,8 +17,12 @@ DEFAULT_RING_BYTES = 1 << 20
 # Each record ends with one tag byte: a message fits in one record (WHOLE) or is split
 # into fragments (MORE ... LAST) so that no message is ever too big for a ring.
 WHOLE, MORE, LAST = 0, 1, 2
-# How long a reader waits for the next fragment of a message already begun.
+# How long a reader waits for the next fragment of a message already begun (the bound
+# when it has no ``alive`` check to notice a dead sender at once).
 FRAGMENT_TIMEOUT = 30.0
+# Largest message a reader reassembles from fragments: a sender that keeps sending
+# fragments must not grow the reader without bound.
+DEFAULT_MAX_MESSAGE = 256 << 20
 
 
 def region_bytes(capacity: int) -> int:
@@ -30,7 +36,12 @@ class Channel:
 
     The controller creates the region (``Channel.create``) and passes ``region.fd`` to
     the worker, which attaches with ``Channel.attach``. Each side only writes its own
-    ring, so both rings stay single-producer / single-consumer.
+    ring, so both rings stay single-producer / single-consumer. ``max_message`` bounds
+    the size of a message reassembled from fragments.
+
+    A send or receive cut off in the middle of a multi-part message (deadline, dead
+    peer, Ctrl-C, a bound) leaves that direction torn: its next use raises
+    ``TransportError(reason="torn")`` rather than splice two messages together.
     """
 
     def __init__(
@@ -42,10 +53,12 @@ class Channel:
         create: bool,
         name: str,
         poll: bool = False,
+        max_message: int = DEFAULT_MAX_MESSAGE,
     ):
         self.region = region
         self.capacity = capacity
         self.poll = poll
+        self.max_message = max_message
         requests = Ring(region, 0, capacity, create=create, name=f"{name} requests", poll=poll)
         replies = Ring(
             region,
@@ -57,23 +70,54 @@ class Channel:
         )
         self.outbox, self.inbox = (requests, replies) if controller else (replies, requests)
         self.max_fragment = capacity // 4
+        # Why a direction is unusable after a message was cut in the middle (None: fine).
+        self._torn_out: str | None = None
+        self._torn_in: str | None = None
 
     @classmethod
     def create(
-        cls, name: str, capacity: int = DEFAULT_RING_BYTES, *, poll: bool = False
+        cls,
+        name: str,
+        capacity: int = DEFAULT_RING_BYTES,
+        *,
+        poll: bool = False,
+        max_message: int = DEFAULT_MAX_MESSAGE,
     ) -> Channel:
         """A new region with both rings; ``poll`` for a worker inside a VM (its region
         is then sized to a power of two, as a PCI BAR must be)."""
         size = region_bytes(capacity) if poll else 2 * ring_bytes(capacity)
         region = Region(size, name=f"gym_fork-{name}")
-        return cls(region, capacity, controller=True, create=True, name=name, poll=poll)
+        try:
+            return cls(
+                region, capacity, controller=True, create=True, name=name, poll=poll,
+                max_message=max_message,
+            )  # fmt: skip
+        except BaseException:
+            region.close()
+            raise
 
     @classmethod
     def attach(
-        cls, fd: int, capacity: int, name: str, *, poll: bool = False, offset: int = 0
+        cls,
+        fd: int,
+        capacity: int,
+        name: str,
+        *,
+        poll: bool = False,
+        offset: int = 0,
+        max_message: int = DEFAULT_MAX_MESSAGE,
     ) -> Channel:
-        region = Region.attach(fd, 2 * ring_bytes(capacity), offset)
-        return cls(region, capacity, controller=False, create=False, name=name, poll=poll)
+        """The worker's end of a channel created elsewhere, from its region's ``fd``
+        (which the channel then owns). A memfd must be sealed and large enough."""
+        region = Region.attach(fd, 2 * ring_bytes(capacity), offset, name=name)
+        try:
+            return cls(
+                region, capacity, controller=False, create=False, name=name, poll=poll,
+                max_message=max_message,
+            )  # fmt: skip
+        except BaseException:
+            region.close()
+            raise
 
     def positions(self) -> bytes:
         """Both rings' control blocks (positions and sequence numbers), for a copy."""
@@ -92,46 +136,130 @@ class Channel:
         view = self.region.map
         view[:CONTROL_BYTES] = blocks[:CONTROL_BYTES]
         view[second : second + CONTROL_BYTES] = blocks[CONTROL_BYTES:]
+        self.outbox.sync()
+        self.inbox.sync()
 
-    def send(self, message: Any, timeout: float | None = None) -> None:
+    def send(
+        self,
+        message: Any,
+        timeout: float | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
         """Encode ``message`` and append it to this side's outgoing ring."""
-        self.send_raw(pack(message), timeout)
+        self.send_raw(pack(message), timeout, alive)
 
-    def send_raw(self, record: bytes, timeout: float | None = None) -> None:
-        """Append an already-encoded message (hot path: one encode, many workers)."""
-        if len(record) <= self.max_fragment:
-            self.outbox.write_tagged(record, WHOLE, timeout)
+    def send_raw(
+        self,
+        record: bytes,
+        timeout: float | None = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Append an already-encoded message (hot path: one encode, many workers).
+
+        ``timeout`` bounds the whole message (None: no deadline); ``alive`` is checked
+        between wait slices and raises :class:`PeerGone` once it returns False.
+        """
+        if len(record) <= self.max_fragment and self._torn_out is None:
+            self.outbox.write_tagged(record, WHOLE, timeout, alive)
             return
+        self._send_fragments(record, timeout, alive)
+
+    def _send_fragments(self, record, timeout, alive) -> None:
+        if self._torn_out is not None:
+            raise TransportError(
+                f"{self.outbox.name!r}: an earlier message was cut off ({self._torn_out}); "
+                "this channel cannot carry more messages",
+                worker=self.outbox.name,
+                reason="torn",
+            )
         view = memoryview(record)
+        if len(view) <= self.max_fragment:
+            self.outbox.write_tagged(record, WHOLE, timeout, alive)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
         step = self.max_fragment
         for start in range(0, len(view), step):
             tag = LAST if start + step >= len(view) else MORE
-            self.outbox.write_tagged(view[start : start + step], tag, timeout)
-
-    def recv(self, timeout: float | None = None) -> Any:
-        """Take and decode the next incoming message."""
-        view = self.inbox.read(timeout)
-        if len(view) and view[-1] == WHOLE:
-            return self._decode(view[:-1])
-        parts = []
-        while True:
-            if not len(view) or view[-1] not in (MORE, LAST):
-                raise TransportError(
-                    f"{self.inbox.name!r}: record tag {bytes(view[-1:])!r} is not a gym_fork tag",
-                    worker=self.inbox.name,
-                    reason="tag",
-                )
-            parts.append(bytes(view[:-1]))
-            if view[-1] == LAST:
-                return self._decode(b"".join(parts))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                view = self.inbox.read(FRAGMENT_TIMEOUT)
-            except RingTimeout:
-                raise TransportError(
-                    f"{self.inbox.name!r}: a multi-part message stopped after {len(parts)} parts",
-                    worker=self.inbox.name,
-                    reason="torn",
-                ) from None
+                self.outbox.write_tagged(view[start : start + step], tag, left, alive)
+            except BaseException as exc:
+                if start:  # the reader holds the first part of a message never finished
+                    self._torn_out = f"{type(exc).__name__} after {start} bytes"
+                raise
+
+    def recv(
+        self,
+        timeout: float | None = None,
+        alive: Callable[[], bool] | None = None,
+        max_bytes: int | None = None,
+    ) -> Any:
+        """Take and decode the next incoming message.
+
+        ``timeout`` bounds the wait for its first record (None: no deadline); each next
+        fragment of a multi-part message must follow within :data:`FRAGMENT_TIMEOUT`.
+        ``alive`` is checked between wait slices: once it returns False, :class:`PeerGone`
+        is raised (after taking what the peer published before it died). A multi-part
+        message larger than ``max_bytes`` (default: the channel's ``max_message``) raises
+        ``TransportError(reason="too_big")``.
+        """
+        if self._torn_in is None:
+            view = self.inbox.read(timeout, alive)
+            if len(view) and view[-1] == WHOLE:
+                return self._decode(view[:-1])
+        else:
+            view = None
+        return self._recv_fragments(view, alive, max_bytes)
+
+    def _recv_fragments(self, view, alive, max_bytes) -> Any:
+        name = self.inbox.name
+        if self._torn_in is not None:
+            raise TransportError(
+                f"{name!r}: an earlier message was cut off ({self._torn_in}); this channel "
+                "cannot deliver more messages",
+                worker=name,
+                reason="torn",
+            )
+        limit = self.max_message if max_bytes is None else max_bytes
+        data = bytearray()
+        parts = 0
+        try:
+            while True:
+                if not len(view) or view[-1] not in (MORE, LAST):
+                    raise TransportError(
+                        f"{name!r}: record tag {bytes(view[-1:])!r} is not a gym_fork tag",
+                        worker=name,
+                        reason="tag",
+                    )
+                if len(data) + len(view) - 1 > limit:
+                    raise TransportError(
+                        f"{name!r}: a multi-part message grew past {limit} bytes "
+                        f"after {parts} parts",
+                        worker=name,
+                        reason="too_big",
+                    )
+                data += view[:-1]
+                parts += 1
+                if view[-1] == LAST:
+                    break
+                try:
+                    view = self.inbox.read(FRAGMENT_TIMEOUT, alive)
+                except RingTimeout:
+                    raise TransportError(
+                        f"{name!r}: a multi-part message stopped after {parts} parts",
+                        worker=name,
+                        reason="torn",
+                    ) from None
+                except PeerGone:
+                    raise PeerGone(
+                        f"{name!r}: the sender died after {parts} parts of a message",
+                        worker=name,
+                    ) from None
+        except BaseException as exc:
+            # The rest of this message may still come: never splice it onto the next one.
+            self._torn_in = f"{type(exc).__name__} after {parts} parts"
+            raise
+        return self._decode(data)
 
     def _decode(self, data) -> Any:
         try:
