@@ -7,18 +7,25 @@ carry the worker's channel and slab fds with SCM_RIGHTS.
 from __future__ import annotations
 
 import array
+import os
 import socket
 import struct
 from typing import Any
 
+from gym_fork.errors import ControlMessageError
 from gym_fork.transport.codec import pack, unpack
 
 _HEADER = struct.Struct("<II")  # payload length, number of fds
 MAX_FDS = 253  # SCM_MAX_FD: the kernel passes at most this many per message
+# Largest payload a receiver accepts: a peer announcing more is refused before any of
+# it is read (spawn requests carry pickled env factories, hence the generous bound).
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
     """Send ``message`` (codec-encoded) and pass ``fds`` along with its first byte."""
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"at most {MAX_FDS} fds per control message, got {len(fds)}")
     payload = pack(message)
     data = _HEADER.pack(len(payload), len(fds)) + payload
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
@@ -38,21 +45,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
-    """Receive one message and the fds that came with it."""
+def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[Any, list[int]]:
+    """Receive one message and the fds that came with it (the caller owns them).
+
+    A message whose announced length exceeds ``max_bytes``, whose fds do not match its
+    header (or were cut short by the kernel), or whose payload does not decode raises
+    :class:`ControlMessageError` (an ``EOFError``) with every received fd closed.
+    """
     fd_size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    data, ancdata, _flags, _addr = sock.recvmsg(_HEADER.size, fd_size)
-    if not data:
-        raise EOFError("control socket closed by its peer")
-    if len(data) < _HEADER.size:
-        data += _recv_exact(sock, _HEADER.size - len(data))
+    data, ancdata, flags, _addr = sock.recvmsg(_HEADER.size, fd_size)
     fds: list[int] = []
     for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             arr = array.array("i")
             arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
             fds.extend(arr)
-    length, nfds = _HEADER.unpack(data)
-    if nfds != len(fds):
-        raise EOFError(f"expected {nfds} fds with a control message, got {len(fds)}")
-    return unpack(_recv_exact(sock, length)), fds
+    try:
+        if not data:
+            raise EOFError("control socket closed by its peer")
+        if flags & socket.MSG_CTRUNC:
+            raise ControlMessageError(
+                f"a control message carried more than {MAX_FDS} fds (cut short)",
+                reason="fds",
+            )
+        if len(data) < _HEADER.size:
+            data += _recv_exact(sock, _HEADER.size - len(data))
+        length, nfds = _HEADER.unpack(data)
+        if nfds != len(fds):
+            raise ControlMessageError(
+                f"expected {nfds} fds with a control message, got {len(fds)}", reason="fds"
+            )
+        if length > max_bytes:
+            raise ControlMessageError(
+                f"a control message announces {length} bytes, more than the {max_bytes} accepted",
+                reason="too_big",
+            )
+        payload = _recv_exact(sock, length)
+        try:
+            message = unpack(payload)
+        except Exception as exc:
+            raise ControlMessageError(
+                f"a control message does not decode ({type(exc).__name__}: {exc})",
+                reason="decode",
+            ) from exc
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, fds
