@@ -37,10 +37,22 @@ def test_a_torn_multi_part_message_is_reported(monkeypatch):
     worker.outbox.write_tagged(b"first half", MORE)  # the writer "dies" here
     with pytest.raises(TransportError, match="stopped after 1 parts"):
         controller.recv(1)
-    worker.outbox.write_tagged(b"x", 3)
-    with pytest.raises(TransportError, match="not a gym_fork tag"):
+    # The rest of that message could still arrive: it must never be taken for a message.
+    worker.outbox.write_tagged(b"second half", LAST)
+    with pytest.raises(TransportError, match="cut off") as info:
         controller.recv(1)
-    assert LAST == 2
+    assert info.value.reason == "torn"
+    worker.close()
+    controller.close()
+
+
+def test_a_record_with_an_unknown_tag_is_reported():
+    controller = Channel.create("tag", 1 << 12)
+    worker = Channel.attach(os.dup(controller.region.fd), 1 << 12, "tag")
+    worker.outbox.write_tagged(b"x", 3)
+    with pytest.raises(TransportError, match="not a gym_fork tag") as info:
+        controller.recv(1)
+    assert info.value.reason == "tag"
     worker.close()
     controller.close()
 
