@@ -36,6 +36,16 @@ class PeerGone(TransportError):
         super().__init__(message, worker=worker, reason="peer_gone")
 
 
+class PickleRefused(TransportError):
+    """A record from an untrusted sandbox held a pickle; it was not loaded (loading a
+    pickle runs code). The record was read whole: the channel stays in step."""
+
+    code = "pickle_refused"
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message, worker=worker, reason="pickle")
+
+
 class ControlMessageError(TransportError, EOFError):
     """A control-socket message broke its framing (too long, too many or missing fds,
     undecodable). Also an ``EOFError``: the connection is unusable after it."""
@@ -79,6 +89,19 @@ class SubEnvTimeout(SubEnvCrashed, multiprocessing.TimeoutError, TimeoutError):
     """
 
     code = "subenv_timeout"
+
+
+class SubEnvError(GymForkError):
+    """A sub-env raised inside a sandbox whose data the controller does not unpickle:
+    the original exception's type name, message and traceback travel as text."""
+
+    code = "subenv_error"
+
+    def __init__(self, message: str, *, index: int, type_name: str, traceback: str) -> None:
+        super().__init__(message)
+        self.index = index
+        self.type_name = type_name
+        self.remote_traceback = traceback
 
 
 class BadActionError(GymForkError, ValueError, TypeError):

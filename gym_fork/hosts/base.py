@@ -182,12 +182,13 @@ class Host(Protocol):
     def spawn(
         self,
         specs: Sequence[WorkerSpec],
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         attach: bytes | None = None,
     ) -> list[WorkerHandle]:
-        """Clone the warm parent once per spec; each worker sends a HELLO when built
-        (with ``attach``, the pickled attach argument, it attaches to the slab first)."""
+        """Clone the warm parent once per spec, handing worker k the slab memfd
+        ``slab_fds[k]`` (its own rows only); each worker sends a HELLO when built (with
+        ``attach``, the pickled attach argument, it maps its slab first)."""
         ...
 
     def fork(
@@ -195,12 +196,13 @@ class Host(Protocol):
         source: WorkerHandle,
         orders: Sequence[CloneOrder],
         num_envs: int,
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         ask: AskWorker,
     ) -> list[WorkerHandle]:
-        """Clone the running, idle worker ``source`` once per order; each clone sends
-        a HELLO. ``ask`` reaches the source worker through its own vector env."""
+        """Clone the running, idle worker ``source`` once per order, clone k with the
+        slab memfd ``slab_fds[k]``; each clone sends a HELLO. ``ask`` reaches the
+        source worker through its own vector env."""
         ...
 
     def alive(self) -> bool:

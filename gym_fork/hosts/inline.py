@@ -88,14 +88,14 @@ class InlineHost(SharedByBranches):
     def spawn(
         self,
         specs: Sequence[WorkerSpec],
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         attach: bytes | None = None,
     ) -> list[WorkerHandle]:
-        """One worker thread per spec, over a channel like a sandbox's."""
+        """One worker thread per spec, over a channel and slab like a sandbox's."""
         attach_arg = None if attach is None else cloudpickle.loads(attach)
         handles = []
-        for spec in specs:
+        for spec, slab_fd in zip(specs, slab_fds, strict=True):
             channel = Channel.create(spec.name, ring_capacity)
             theirs = Channel.attach(os.dup(channel.region.fd), ring_capacity, spec.name)
             worker = Worker(theirs, spec.indices, spec.origins, self.make_env, os.dup(slab_fd))
@@ -123,7 +123,7 @@ class InlineHost(SharedByBranches):
         source: WorkerHandle,
         orders: Sequence[CloneOrder],
         num_envs: int,
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         ask: AskWorker,
     ) -> list[WorkerHandle]:

@@ -59,6 +59,10 @@ class Channel:
         self.capacity = capacity
         self.poll = poll
         self.max_message = max_message
+        # False (an untrusted peer): pickles in a record are not loaded; ``refused``
+        # lists the sizes of those in the last record, for the reader to refuse it.
+        self.allow_pickle = True
+        self.refused: list[int] = []
         requests = Ring(region, 0, capacity, create=create, name=f"{name} requests", poll=poll)
         replies = Ring(
             region,
@@ -263,7 +267,10 @@ class Channel:
 
     def _decode(self, data) -> Any:
         try:
-            return unpack(data)
+            if self.allow_pickle:
+                return unpack(data)
+            self.refused = []
+            return unpack(data, allow_pickle=False, refused=self.refused)
         except Exception as exc:
             raise TransportError(
                 f"{self.inbox.name!r}: a record does not decode ({type(exc).__name__}: {exc})",

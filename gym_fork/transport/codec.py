@@ -60,11 +60,38 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return msgpack.ExtType(code, data)
 
 
+class RefusedPickle:
+    """What a pickled value decodes to where pickles are not loaded."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"<refused pickle of {self.nbytes} bytes>"
+
+
+def _no_pickle_hook(refused: list[int]):
+    def hook(code: int, data: bytes) -> Any:
+        if code == EXT_PICKLE:
+            refused.append(len(data))
+            return RefusedPickle(len(data))
+        if code == EXT_TUPLE:
+            return tuple(unpack(data, allow_pickle=False, refused=refused))
+        return _ext_hook(code, data)
+
+    return hook
+
+
 def pack(value: Any) -> bytes:
     """Encode ``value`` (see the module docstring for what survives exactly)."""
     return msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
 
 
-def unpack(data) -> Any:
-    """Decode bytes produced by :func:`pack`."""
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+def unpack(data, *, allow_pickle: bool = True, refused: list[int] | None = None) -> Any:
+    """Decode bytes produced by :func:`pack`. With ``allow_pickle=False`` a pickled
+    value is not loaded: it decodes to a :class:`RefusedPickle` and its size is
+    appended to ``refused``, for the caller to refuse the record."""
+    hook = _ext_hook if allow_pickle else _no_pickle_hook([] if refused is None else refused)
+    return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)

@@ -1,16 +1,22 @@
-"""Shared batch slabs: observations, actions, rewards and done flags in place.
+"""Shared slabs: observations, actions, rewards and done flags in place.
 
-A slab is one shared region that the controller and every worker of a vector env map.
-Each fixed-size leaf of a space (Box, Discrete, MultiDiscrete, MultiBinary, Text) gets
-an ``(num_envs, *shape)`` array; Dict and Tuple spaces are trees of leaves. Worker ``i``
-writes only row ``i``; the controller reads whole batches as views, so a step copies
-no observation through a ring. Spaces with variable-size values (Graph, Sequence,
-OneOf, custom spaces) have no slab layout: their values travel in ring records.
+A slab is one shared region mapped by one worker sandbox and the controller, holding
+the rows of that worker's sub-envs only (a sandbox cannot touch another's data). Each
+fixed-size leaf of a space (Box, Discrete, MultiDiscrete, MultiBinary, Text) gets an
+``(rows, *shape)`` array; Dict and Tuple spaces are trees of leaves. The controller
+scatters a batch of actions over the slabs of a vector env and gathers observations,
+rewards and flags from them (:class:`SlabSet`): one copy per leaf and worker, the copy
+a ``copy=True`` vector env returns anyway; no observation goes through a ring. Spaces
+with variable-size values (Graph, Sequence, OneOf) have no slab layout: their values
+travel in ring records. One layout function per space type (``slab_node``, a
+``functools.singledispatch``): a custom space registers its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,8 +64,20 @@ class _ArrayLeaf:
         return (
             type(values) is np.ndarray
             and values.dtype == self.dtype
-            and values.shape == self.array.shape
+            and values.shape == (self.n, *self.shape)
         )
+
+    def gather(self, parts: list[_ArrayLeaf], out: np.ndarray | None) -> np.ndarray:
+        """The rows of ``parts`` (same-space leaves) as one batch (into ``out``)."""
+        if len(parts) == 1 and out is None:
+            return parts[0].array.copy()
+        return np.concatenate([p.array for p in parts], out=out)
+
+    def scatter(self, parts: list[_ArrayLeaf], values: Any, bounds: list[int]) -> None:
+        """Write batch ``values`` over ``parts``: rows bounds[k]:bounds[k+1] to part k."""
+        values = np.asarray(values)
+        for part, start, end in zip(parts, bounds, bounds[1:], strict=False):
+            np.copyto(part.array, values[start:end], casting="unsafe")
 
     def write_batch(self, values: Any) -> None:
         values = np.asarray(values)
@@ -103,6 +121,15 @@ class _TextLeaf:
     def accepts(self, values: Any) -> bool:
         return False
 
+    def gather(self, parts: list[_TextLeaf], out: Any) -> tuple[str, ...]:
+        return tuple(text for p in parts for text in p.batch())
+
+    def scatter(self, parts: list[_TextLeaf], values: Any, bounds: list[int]) -> None:
+        values = tuple(values)
+        for part, start, end in zip(parts, bounds, bounds[1:], strict=False):
+            for row, value in enumerate(values[start:end]):
+                part.write(row, value)
+
     def write_batch(self, values: Any) -> None:
         values = tuple(values)
         if len(values) != self.n:
@@ -144,6 +171,16 @@ class _DictNode:
     def batch(self) -> dict[str, Any]:
         return {key: child.batch() for key, child in self.children.items()}
 
+    def gather(self, parts: list[_DictNode], out: Any) -> dict[str, Any]:
+        return {
+            key: child.gather([p.children[key] for p in parts], None if out is None else out[key])
+            for key, child in self.children.items()
+        }
+
+    def scatter(self, parts: list[_DictNode], values: Any, bounds: list[int]) -> None:
+        for key, child in self.children.items():
+            child.scatter([p.children[key] for p in parts], values[key], bounds)
+
     def write_batch(self, values: Any) -> None:
         for key, child in self.children.items():
             child.write_batch(values[key])
@@ -182,9 +219,30 @@ class _TupleNode:
     def batch(self) -> tuple[Any, ...]:
         return tuple(child.batch() for child in self.children)
 
+    def gather(self, parts: list[_TupleNode], out: Any) -> tuple[Any, ...]:
+        return tuple(
+            child.gather([p.children[k] for p in parts], None if out is None else out[k])
+            for k, child in enumerate(self.children)
+        )
+
+    def scatter(self, parts: list[_TupleNode], values: Any, bounds: list[int]) -> None:
+        for k, child in enumerate(self.children):
+            child.scatter([p.children[k] for p in parts], values[k], bounds)
+
     def write_batch(self, values: Any) -> None:
         for child, item in zip(self.children, values, strict=True):
             child.write_batch(item)
+
+
+def leaf_values(node, values: Any) -> list[tuple[Any, Any]]:
+    """(leaf, the part of the batch ``values`` that belongs to it) for every leaf."""
+    if isinstance(node, _DictNode):
+        return [pair for k, c in node.children.items() for pair in leaf_values(c, values[k])]
+    if isinstance(node, _TupleNode):
+        return [
+            pair for c, v in zip(node.children, values, strict=True) for pair in leaf_values(c, v)
+        ]
+    return [(node, values)]
 
 
 def leaves(node) -> list:
@@ -198,36 +256,64 @@ def leaves(node) -> list:
     return [node]
 
 
+@functools.singledispatch
 def async_shares(space: spaces.Space) -> bool:
     """True if AsyncVectorEnv(shared_memory=True) accepts ``space`` (Gymnasium 1.x rules)."""
-    if type(space) in (
-        spaces.Box,
-        spaces.Discrete,
-        spaces.MultiDiscrete,
-        spaces.MultiBinary,
-        spaces.Text,
-    ):
-        return True
-    if type(space) is spaces.Dict:
-        return all(async_shares(s) for s in space.spaces.values())
-    if type(space) in (spaces.Tuple, spaces.OneOf):
-        return all(async_shares(s) for s in space.spaces)
     return False
 
 
+@async_shares.register(spaces.Box)
+@async_shares.register(spaces.Discrete)
+@async_shares.register(spaces.MultiDiscrete)
+@async_shares.register(spaces.MultiBinary)
+@async_shares.register(spaces.Text)
+def _(space: spaces.Space) -> bool:
+    return True
+
+
+@async_shares.register
+def _(space: spaces.Dict) -> bool:
+    return all(async_shares(s) for s in space.spaces.values())
+
+
+@async_shares.register(spaces.Tuple)
+@async_shares.register(spaces.OneOf)
+def _(space: spaces.Space) -> bool:
+    return all(async_shares(s) for s in space.spaces)
+
+
+@functools.singledispatch
 def slab_node(space: spaces.Space, n: int):
-    """The slab layout tree of ``space`` batched ``n`` times, or None if it has none."""
-    if type(space) in (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary):
-        return _ArrayLeaf(space, n)
-    if type(space) is spaces.Text:
-        return _TextLeaf(space, n)
-    if type(space) is spaces.Dict:
-        children = {k: slab_node(s, n) for k, s in space.spaces.items()}
-        return None if any(c is None for c in children.values()) else _DictNode(space, children)
-    if type(space) is spaces.Tuple:
-        items = [slab_node(s, n) for s in space.spaces]
-        return None if any(c is None for c in items) else _TupleNode(space, items)
+    """The slab layout tree of ``space`` batched ``n`` times, or None if it has none.
+
+    Register a layout for a custom space with ``@slab_node.register(MySpace)``
+    returning an object with the leaf interface (see ``_ArrayLeaf``)."""
     return None
+
+
+@slab_node.register(spaces.Box)
+@slab_node.register(spaces.Discrete)
+@slab_node.register(spaces.MultiDiscrete)
+@slab_node.register(spaces.MultiBinary)
+def _(space: spaces.Space, n: int):
+    return _ArrayLeaf(space, n)
+
+
+@slab_node.register
+def _(space: spaces.Text, n: int):
+    return _TextLeaf(space, n)
+
+
+@slab_node.register
+def _(space: spaces.Dict, n: int):
+    children = {k: slab_node(s, n) for k, s in space.spaces.items()}
+    return None if any(c is None for c in children.values()) else _DictNode(space, children)
+
+
+@slab_node.register
+def _(space: spaces.Tuple, n: int):
+    items = [slab_node(s, n) for s in space.spaces]
+    return None if any(c is None for c in items) else _TupleNode(space, items)
 
 
 class Slab:
@@ -304,3 +390,109 @@ def _unbind(node) -> None:
             _unbind(child)
     else:
         node.array = None
+
+
+class SlabSet:
+    """The slabs of one vector env's workers, one per worker, seen as one batch.
+
+    Worker k hosts the sub-envs ``bounds[k]:bounds[k+1]`` (contiguous, in order) and
+    maps only ``slabs[k]``. ``fds`` are memfds made with MFD_ALLOW_SEALING, sized and
+    sealed here (to at least ``min_size``: a VM's slab device has a fixed size).
+    Concurrency: controller thread only.
+    """
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        counts: Sequence[int],
+        fds: Sequence[int],
+        *,
+        use_observations: bool,
+        min_size: int = 0,
+    ) -> None:
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.use_observations = use_observations
+        self.min_size = min_size
+        self.bounds = [0]
+        for count in counts:
+            self.bounds.append(self.bounds[-1] + count)
+        self.num_envs = self.bounds[-1]
+        # Unbound batch layouts: they describe a whole batch (accepts, gather, scatter).
+        self.observation_layout = (
+            slab_node(observation_space, self.num_envs) if use_observations else None
+        )
+        self.action_layout = slab_node(action_space, self.num_envs)
+        self.slabs: list[Slab] = []
+        try:
+            for count, fd in zip(counts, fds, strict=True):
+                self.slabs.append(self._slab(count, fd))
+        except BaseException:
+            self.close()
+            raise
+
+    def _slab(self, count: int, fd: int) -> Slab:
+        return Slab(
+            self.observation_space,
+            self.action_space,
+            count,
+            use_observations=self.use_observations,
+            region_fd=fd,
+            owner=True,
+            size=self.min_size,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the largest slab (what one sandbox must be able to map)."""
+        return max(s.nbytes for s in self.slabs)
+
+    def replace(self, position: int, fd: int) -> Slab:
+        """A fresh slab (on the new memfd ``fd``) for the worker at ``position``."""
+        old = self.slabs[position]
+        self.slabs[position] = self._slab(old.num_envs, fd)
+        old.close()
+        return self.slabs[position]
+
+    def where(self, index: int) -> tuple[Slab, int]:
+        """The slab and row of sub-env ``index``."""
+        for k, slab in enumerate(self.slabs):
+            if index < self.bounds[k + 1]:
+                return slab, index - self.bounds[k]
+        raise IndexError(f"no sub-env {index} in {self.num_envs}")
+
+    def accepts_actions(self, values: Any) -> bool:
+        """True if ``values`` is an exact batch for the action slab (the fast path)."""
+        return self.action_layout is not None and self.action_layout.accepts(values)
+
+    def write_actions(self, values: Any) -> None:
+        """Scatter a batch of actions over the workers' slabs."""
+        self.action_layout.scatter([s.actions for s in self.slabs], values, self.bounds)
+
+    def observations(self, out: Any = None) -> Any:
+        """The batch of observations (into ``out`` when given)."""
+        parts = [s.observations for s in self.slabs]
+        return self.observation_layout.gather(parts, out)
+
+    def _column(self, name: str) -> np.ndarray:
+        parts = [getattr(s, name) for s in self.slabs]
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
+    def rewards(self) -> np.ndarray:
+        """A new array of every sub-env's last reward."""
+        return self._column("rewards")
+
+    def terminations(self) -> np.ndarray:
+        """A new array of every sub-env's last termination flag."""
+        return self._column("terminations")
+
+    def truncations(self) -> np.ndarray:
+        """A new array of every sub-env's last truncation flag."""
+        return self._column("truncations")
+
+    def close(self) -> None:
+        """Unmap every slab."""
+        for slab in self.slabs:
+            slab.close()
+        self.slabs = []

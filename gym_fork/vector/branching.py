@@ -117,10 +117,10 @@ def clone_sandboxes(
     spaces = source_spaces.for_branch(observation_mode, plan.sources)
     branch = Sandboxes(config, source.host.acquire())
     try:
-        slab = branch.open_slab(spaces, obs_in_slab)
+        branch.open_slabs(spaces, obs_in_slab, counts=[1] * config.num_envs)
         observations = _copy_rows(source, source_spaces, source_observations, branch, plan)
         branch.attach_arg = dict(source.attach_arg, num_envs=config.num_envs)
-        branch.pool.workers = _fork_workers(source, branch, plan, slab.region.fd)
+        branch.pool.workers = _fork_workers(source, branch, plan)
         branch.receive_hellos(branch.pool.workers)
     except BaseException:
         branch.teardown(terminate=True)
@@ -128,7 +128,7 @@ def clone_sandboxes(
     return branch, spaces, observations, time.perf_counter() - started
 
 
-def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, slab_fd: int):
+def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
     where = {i: k for k, w in enumerate(source.pool.workers) for i in w.indices}
     by_worker: dict[int, list[int]] = {}  # source worker position -> branch indices
     for j, i in enumerate(plan.sources):
@@ -150,9 +150,10 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, slab_fd:
         def ask(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
             return source.pool.ask(worker, op, arg, timeout)
 
+        slab_fds = [branch.slabs.slabs[j].region.fd for j in branch_indices]
         try:
             made = branch.host.fork(
-                worker, orders, branch.config.num_envs, slab_fd, branch.config.ring_bytes, ask
+                worker, orders, branch.config.num_envs, slab_fds, branch.config.ring_bytes, ask
             )
         except BaseException:
             for handle in handles.values():
@@ -165,17 +166,19 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, slab_fd:
 
 
 def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
-    """The branch starts where its sources are: their last results, row by row."""
-    theirs, mine = source.slab, branch.slab
+    """The branch starts where its sources are: their last results, row by row (branch
+    sub-env j has a slab of its own, row 0)."""
     for j, i in enumerate(plan.sources):
-        mine.rewards[j] = theirs.rewards[i]
-        mine.terminations[j] = theirs.terminations[i]
-        mine.truncations[j] = theirs.truncations[i]
+        theirs, row = source.slabs.where(i)
+        mine = branch.slabs.slabs[j]
+        mine.rewards[0] = theirs.rewards[row]
+        mine.terminations[0] = theirs.terminations[row]
+        mine.truncations[0] = theirs.truncations[row]
         if mine.observations is not None:
-            mine.observations.write(j, theirs.observations.read(i))
-    if mine.observations is not None:
-        return mine.observations.batch()
+            mine.observations.write(0, theirs.observations.read(row))
     single = source_spaces.single_observation_space
+    if branch.slabs.observation_layout is not None:
+        return create_empty_array(single, n=len(plan.sources), fn=np.zeros)
     rows = list(iterate(source_spaces.observation_space, source_observations))
     return concatenate(
         single,

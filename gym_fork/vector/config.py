@@ -21,6 +21,9 @@ from gym_fork.transport.channel import DEFAULT_RING_BYTES
 # anything is allocated.
 DEFAULT_MAX_SANDBOXES = 4096
 
+# Seconds a warm parent may take to start (interpreter, imports) on top of ``timeout``.
+STARTUP_ALLOWANCE = 10.0
+
 
 def max_sandboxes() -> int:
     """The ceiling on sandboxes per controller (GYM_FORK_MAX_SANDBOXES)."""
@@ -179,7 +182,9 @@ class VectorConfig:
             ring_capacity=self.ring_bytes,
             vm_memory_mb=self.vm_memory_mb,
             vm_slab_mb=self.vm_slab_mb,
-            start_timeout=self.timeout,
+            # A warm parent first starts an interpreter and imports what the env_fns
+            # need: the vector env's timeout bounds the user's code, plus this allowance.
+            start_timeout=None if self.timeout is None else self.timeout + STARTUP_ALLOWANCE,
             trusted=self.trusted,
         )
 

@@ -15,7 +15,7 @@ from typing import Any
 import cloudpickle
 from gymnasium import logger
 
-from gym_fork.errors import GymForkError, SubEnvCrashed, SubEnvTimeout, TransportError
+from gym_fork.errors import SubEnvCrashed, SubEnvError, SubEnvTimeout, TransportError
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
 
@@ -45,19 +45,6 @@ class Deadline:
 
 class WaitTimeout(Exception):
     """A wait reached its deadline (the caller turns it into the user's error)."""
-
-
-class SubEnvError(GymForkError):
-    """A sub-env raised inside a sandbox whose data the controller does not unpickle:
-    the original exception's type name, message and traceback travel as text."""
-
-    code = "subenv_error"
-
-    def __init__(self, message: str, *, index: int, type_name: str, traceback: str) -> None:
-        super().__init__(message)
-        self.index = index
-        self.type_name = type_name
-        self.remote_traceback = traceback
 
 
 @functools.cache

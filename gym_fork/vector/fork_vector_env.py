@@ -75,8 +75,9 @@ class ForkVectorEnv(VectorEnv):
         timeout: seconds any call (reset, step, call, set_attr) may take when no explicit
             ``*_wait(timeout)`` is given; past it the sandboxes that did not answer are
             killed and :class:`SubEnvTimeout` names them (default None: wait forever,
-            as AsyncVectorEnv). ``reset()`` replaces them. It bounds construction too
-            (warm parent start, ``from_parent`` preparation, building the sub-envs).
+            as AsyncVectorEnv). ``reset()`` replaces them. It bounds construction too:
+            building the sub-envs, and the warm parent's start and ``from_parent``
+            preparation (given 10 s more for the interpreter to start and import).
         private_tmp: give each sandbox its own /tmp and /dev/shm (default False, as with
             AsyncVectorEnv). When True, files an env writes there are invisible to the host
             and to other sandboxes and gone when the sandbox ends, and the host's /tmp is
@@ -232,12 +233,9 @@ class ForkVectorEnv(VectorEnv):
         # Spaces Async shares but that have no fixed-size slab layout (OneOf) travel in
         # ring records: same results, one copy more.
         self._obs_in_slab = self.shared_memory and slab_node(single, 1) is not None
-        slab = self.sandboxes.open_slab(self.spaces, self._obs_in_slab)
-        if self._obs_in_slab:
-            self.observations = slab.observations.batch()
-        else:
-            self.observations = create_empty_array(single, n=self.num_envs, fn=np.zeros)
-        self._actions = ActionWriter(self.spaces, slab, self.config.check_actions)
+        slabs = self.sandboxes.open_slabs(self.spaces, self._obs_in_slab)
+        self.observations = create_empty_array(single, n=self.num_envs, fn=np.zeros)
+        self._actions = ActionWriter(self.spaces, slabs, self.config.check_actions)
         checks = self.sandboxes.attach_all(self.spaces, self._obs_in_slab)
         if not all(c[0] for c in checks):
             if self.observation_mode == "same":
@@ -450,12 +448,12 @@ class ForkVectorEnv(VectorEnv):
             self.observations = concatenate(
                 self.single_observation_space, observations, self.observations
             )
-        slab = self.sandboxes.slab
+        slabs = self.sandboxes.slabs
         return (
             self._observations_out(),
-            slab.rewards.copy(),
-            slab.terminations.copy(),
-            slab.truncations.copy(),
+            slabs.rewards(),
+            slabs.terminations(),
+            slabs.truncations(),
             infos,
         )
 
@@ -547,7 +545,7 @@ class ForkVectorEnv(VectorEnv):
         branch._adopt_spaces(spaces)
         branch._obs_in_slab = self._obs_in_slab
         branch.observations = observations
-        branch._actions = ActionWriter(spaces, sandboxes.slab, self.config.check_actions)
+        branch._actions = ActionWriter(spaces, sandboxes.slabs, self.config.check_actions)
         try:
             branch._lineage = provenance.add_branch(
                 self._lineage,
@@ -622,7 +620,14 @@ class ForkVectorEnv(VectorEnv):
 
     def _observations_out(self) -> Any:
         if self._obs_in_slab:
-            self.observations = self.sandboxes.slab.observations.batch()
+            # Gathered from the workers' slabs: a new batch (copy=True), or into the
+            # vector env's own buffer (copy=False, as AsyncVectorEnv's shared view).
+            slabs = self.sandboxes.slabs
+            if self.copy:
+                self.observations = slabs.observations()
+                return self.observations
+            self.observations = slabs.observations(out=self.observations)
+            return self.observations
         if not self.copy:
             return self.observations
         obs = self.observations

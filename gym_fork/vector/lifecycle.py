@@ -1,7 +1,7 @@
 """Lifecycle of one vector env's sandboxes: start, replace, health, teardown.
 
 A :class:`Sandboxes` owns the warm parent (its host, shared with branches), the worker
-pool and the batch slab. It is handed everything it needs (config, spaces, lineage) and
+pool and the workers' slabs. It is handed everything it needs (config, spaces, lineage) and
 never calls back into the vector env.
 """
 
@@ -23,7 +23,7 @@ from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec, make_host
 from gym_fork.lineage import Lineage
-from gym_fork.transport.slab import Slab
+from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
 
 from .config import VectorConfig, check_sandbox_count
@@ -44,18 +44,23 @@ def _close_all_at_exit() -> None:
             sandboxes.teardown(terminate=True)
 
 
+def new_slab_memfd() -> int:
+    """An empty memfd for one worker's slab (SlabSet sizes and seals it)."""
+    return os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
 def live_sandboxes() -> int:
     """Worker sandboxes held by every open vector env of this process."""
     return sum(len(s.pool.workers) for s in list(_OPEN))
 
 
 class Sandboxes:
-    """The warm parent, worker pool and slab of one vector env (a root or a branch)."""
+    """The warm parent, worker pool and slabs of one vector env (a root or a branch)."""
 
     config: VectorConfig
     host: Host | None
     pool: WorkerPool
-    slab: Slab | None
+    slabs: SlabSet | None
     lineage: Lineage | None
     timings: dict[str, float]
     clean_launch: dict[str, Any] | None
@@ -70,14 +75,14 @@ class Sandboxes:
             trusted=config.trusted,
             send_timeout=config.timeout,
         )
-        self.slab = None
+        self.slabs = None
         self.lineage = None
         self.timings = {}
         self.clean_launch = None
         self.attach_arg = None
-        # Sized and sealed once the spaces are known (Slab(owner=True)); the workers get
-        # the fd at spawn and map it at ATTACH.
-        self._slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # One slab memfd per worker, sized and sealed once the spaces are known
+        # (open_slabs); each worker gets its own at spawn and maps it at ATTACH.
+        self._slab_fds: list[int] = []
         self._replacement_attach: bytes | None = None
         _OPEN.add(self)
 
@@ -93,10 +98,10 @@ class Sandboxes:
             self.timings["parent_ready_s"] = time.perf_counter() - started
             self._check_warm_parent_gpu()
             cloned = time.perf_counter()
+            groups = config.worker_groups()
+            self._slab_fds = [new_slab_memfd() for _ in groups]
             self.pool.workers = self.host.spawn(
-                [self.spec(group) for group in config.worker_groups()],
-                self._slab_fd,
-                config.ring_bytes,
+                [self.spec(group) for group in groups], self._slab_fds, config.ring_bytes
             )
             hellos = self.receive_hellos(self.pool.workers)
             self.timings["sandboxes_ready_s"] = time.perf_counter() - cloned
@@ -115,6 +120,8 @@ class Sandboxes:
         """Each new worker's HELLO (its build error raised), within the vector env's
         timeout."""
         deadline = Deadline(self.config.timeout)
+        for worker in workers:
+            worker.channel.allow_pickle = self.config.trusted
         hellos = []
         for worker in workers:
             try:
@@ -131,20 +138,31 @@ class Sandboxes:
             hellos.append(info)
         return hellos
 
-    def open_slab(self, spaces: VectorSpaces, obs_in_slab: bool) -> Slab:
-        """Size and map the batch slab for these spaces (the workers map it at ATTACH)."""
-        self.slab = Slab(
-            spaces.single_observation_space,
-            spaces.single_action_space,
-            self.config.num_envs,
-            use_observations=obs_in_slab,
-            region_fd=self._slab_fd,
-            owner=True,
-            size=self.host.slab_min_bytes,
-        )
-        self._slab_fd = -1  # owned by the slab's region now
-        self.host.check_slab(self.slab.nbytes)
-        return self.slab
+    def open_slabs(
+        self, spaces: VectorSpaces, obs_in_slab: bool, counts: list[int] | None = None
+    ) -> SlabSet:
+        """Size, seal and map each worker's slab (the workers map theirs at ATTACH)."""
+        if counts is None:
+            counts = [len(w.indices) for w in self.pool.workers]
+        if not self._slab_fds:
+            self._slab_fds = [new_slab_memfd() for _ in counts]
+        fds, self._slab_fds = self._slab_fds, []
+        try:
+            self.slabs = SlabSet(
+                spaces.single_observation_space,
+                spaces.single_action_space,
+                counts,
+                fds,
+                use_observations=obs_in_slab,
+                min_size=self.host.slab_min_bytes,
+            )
+        except BaseException:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        self.host.check_slab(self.slabs.nbytes)
+        return self.slabs
 
     def attach_all(self, spaces: VectorSpaces, obs_in_slab: bool) -> list[list[bool]]:
         """Every worker maps the slab; per sub-env: [same obs space, same act space]."""
@@ -210,9 +228,10 @@ class Sandboxes:
             # Pickled once: the warm parent unpickles it once too, then shares it.
             arg = dict(self.attach_arg, observation_mode="custom")
             self._replacement_attach = cloudpickle.dumps(arg)
+        fds = [self.slabs.replace(k, new_slab_memfd()).region.fd for k in positions]
         fresh = self.host.spawn(
             [self.spec(w.indices) for w in old],
-            self.slab.region.fd,
+            fds,
             self.config.ring_bytes,
             self._replacement_attach,
         )
@@ -280,12 +299,12 @@ class Sandboxes:
         if self.host is not None:
             self.host.release()  # the last user of the warm parent closes it
             self.host = None
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
-        if self._slab_fd >= 0:
-            os.close(self._slab_fd)
-            self._slab_fd = -1
+        if self.slabs is not None:
+            self.slabs.close()
+            self.slabs = None
+        for fd in self._slab_fds:
+            os.close(fd)
+        self._slab_fds = []
         if self.lineage is not None:
             self.lineage.tree.close(
                 self.lineage.branch_id,

@@ -16,7 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
+from gym_fork.errors import (
+    PeerGone,
+    PickleRefused,
+    RingTimeout,
+    SubEnvCrashed,
+    TransportError,
+)
 from gym_fork.hosts.base import Host, WorkerHandle
 from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
@@ -89,7 +95,9 @@ class WorkerPool:
 
     def _send_record(self, worker: WorkerHandle, record: bytes, op: int) -> None:
         try:
-            worker.channel.send_raw(record, self.send_timeout)
+            worker.channel.send_raw(record, self.send_timeout, alive=worker.alive)
+        except PeerGone:
+            raise self.crashed(worker, f"before {P.NAMES[op]}") from None
         except RingTimeout:
             worker.kill()  # it has not read a request for the whole timeout: hung
             raise self.crashed(
@@ -113,7 +121,9 @@ class WorkerPool:
         inbox = worker.channel
         while True:
             try:
-                reply = inbox.recv(deadline.slice())
+                reply = inbox.recv(deadline.slice(), alive=worker.alive)
+            except PeerGone:  # died, possibly in the middle of a multi-part reply
+                raise self.crashed(worker, f"during {P.NAMES[op]}") from None
             except RingTimeout:
                 if not worker.alive():
                     raise self.crashed(worker, f"during {P.NAMES[op]}") from None
@@ -145,6 +155,8 @@ class WorkerPool:
                         ),
                     )
                 worker.awaiting = 0
+                if inbox.refused and not inbox.allow_pickle:
+                    raise self._refused(worker, op, inbox.refused)
                 return reply
 
     def collect(self, op: int, timeout: float | None, *, building: bool = False) -> list[Any]:
@@ -185,6 +197,19 @@ class WorkerPool:
         return result
 
     # -- faults ---------------------------------------------------------------------
+    def _refused(self, worker: WorkerHandle, op: int, sizes: list[int]) -> PickleRefused:
+        """A reply of an untrusted sandbox held pickles: read whole, not loaded, refused
+        (the channel stays in step and the sandbox lives on)."""
+        error = PickleRefused(
+            f"the {P.NAMES[op]} reply of sub-env(s) {worker.indices} held {len(sizes)} "
+            f"pickled value(s) ({sum(sizes)} bytes), refused: an untrusted sandbox's "
+            "pickles are never loaded. Send plain data (numbers, str, bytes, lists, dicts, "
+            "numpy arrays) or pass trusted=True.",
+            worker=worker.name,
+        )
+        error.indices = worker.indices
+        return error
+
     def crashed(self, worker: WorkerHandle, when: str) -> SubEnvCrashed:
         """The error for a worker found dead (its exit status from the host)."""
         worker.dead = True

@@ -12,7 +12,7 @@ from gymnasium import Space, spaces
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
 from gym_fork.errors import BadActionError, SandboxStartError
-from gym_fork.transport.slab import Slab
+from gym_fork.transport.slab import SlabSet, leaf_values
 from gym_fork.transport.slab import leaves as slab_leaves
 from gym_fork.transport.space_codec import SpaceRefused, space_from_data
 
@@ -116,37 +116,39 @@ def _(space: spaces.MultiBinary) -> tuple[Any, Any]:
 
 
 class ActionWriter:
-    """Turns a batch of actions into the workers' requests: into the slab (fast path)
-    or one list per worker. Checks them first when ``check_actions`` is on."""
+    """Turns a batch of actions into the workers' requests: scattered over their slabs
+    (fast path) or one list per worker. Checks them first when ``check_actions`` is on."""
 
-    def __init__(self, vector_spaces: VectorSpaces, slab: Slab, check: bool) -> None:
+    def __init__(self, vector_spaces: VectorSpaces, slabs: SlabSet, check: bool) -> None:
         self.spaces = vector_spaces
-        self.slab = slab
+        self.slabs = slabs
         self.check = check
-        self.bounds = []
-        if check and slab.actions is not None:
-            for leaf in slab_leaves(slab.actions):
-                bounds = integer_bounds(leaf.space)
-                if bounds is not None:
-                    self.bounds.append((leaf.space, *bounds, leaf))
+        self.checked = check and any(
+            integer_bounds(leaf.space) is not None for leaf in slab_leaves(slabs.action_layout)
+        )
 
     def write_slab(self, actions: Any) -> bool:
-        """Write an exact batch into the slab; False (nothing written) otherwise."""
-        slab_actions = self.slab.actions
-        if slab_actions is None or not slab_actions.accepts(actions):
+        """Scatter an exact batch over the slabs; False (nothing written) otherwise."""
+        if not self.slabs.accepts_actions(actions):
             return False
-        slab_actions.write_batch(actions)
-        # Checked where they landed (no request goes out if one is outside its space).
-        for space, low, high, leaf in self.bounds:
-            values = leaf.array
+        if self.checked:
+            self._check_integers(actions)
+        self.slabs.write_actions(actions)
+        return True
+
+    def _check_integers(self, actions: Any) -> None:
+        for leaf, values in leaf_values(self.slabs.action_layout, actions):
+            bounds = integer_bounds(leaf.space)
+            if bounds is None:
+                continue
+            low, high = bounds
             outside = (values < low) | (values > high)
             if np.any(outside):
                 bad = np.flatnonzero(np.any(outside, axis=tuple(range(1, values.ndim))))
                 raise BadActionError(
-                    f"actions for sub-envs {bad.tolist()} are outside {space}: "
+                    f"actions for sub-envs {bad.tolist()} are outside {leaf.space}: "
                     f"{values[bad].tolist()}"
                 )
-        return True
 
     def per_sub_env(self, actions: Any) -> list[Any]:
         """One action per sub-env, as AsyncVectorEnv passes them (checked if asked)."""

@@ -51,8 +51,8 @@ class Worker:
     """Serves one channel for the sub-envs at ``indices``.
 
     ``make_env(origin)`` gives the env a slot starts from (a fresh build of env_fns
-    [origin], or the warm parent's prepared prototype). ``slab_fd`` is the batch slab
-    the controller handed over (mapped at ATTACH).
+    [origin], or the warm parent's prepared prototype). ``slab_fd`` is this sandbox's own
+    slab (its sub-envs' rows only), handed over by the controller and mapped at ATTACH.
     """
 
     def __init__(
@@ -143,7 +143,8 @@ class Worker:
         self.autoreset_mode = AutoresetMode(arg["autoreset_mode"])
         if self.slab is not None:
             self.slab.close()
-        self.slab = self.open_slab(obs_space, act_space, arg["num_envs"], arg["shared_memory"])
+        # This sandbox's own slab: one row per sub-env it hosts, in slot order.
+        self.slab = self.open_slab(obs_space, act_space, len(self.slots), arg["shared_memory"])
         checks = []
         for slot in self.slots:
             env = slot.env
@@ -159,7 +160,7 @@ class Worker:
     def _store_obs(self, slot: SubEnvSlot, obs: Any, out: list[Any] | None, k: int) -> None:
         if self.slab.observations is not None:
             try:
-                self.slab.observations.write(slot.index, obs)
+                self.slab.observations.write(k, obs)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 raise BadObservationError(
                     f"sub-env {slot.index} returned an observation that does not fit the "
@@ -185,8 +186,8 @@ class Worker:
                 obs, info = slot.env.reset(seed=seed, options=options)
                 slot.autoreset = False
                 self._store_obs(slot, obs, obs_out, k)
-                self.slab.terminations[slot.index] = False
-                self.slab.truncations[slot.index] = False
+                self.slab.terminations[k] = False
+                self.slab.truncations[k] = False
                 infos[k] = info
             except Exception as exc:
                 errors.append(error_record(slot.index, exc))
@@ -201,10 +202,9 @@ class Worker:
         errors = []
         mode = self.autoreset_mode
         for k, slot in enumerate(self.slots):
-            i = slot.index
             env = slot.env
             try:
-                action = slab.actions.read(i) if arg is None else arg[k]
+                action = slab.actions.read(k) if arg is None else arg[k]
                 if mode is AutoresetMode.NEXT_STEP:
                     if slot.autoreset:
                         obs, info = env.reset()
@@ -221,15 +221,15 @@ class Worker:
                 else:
                     obs, reward, terminated, truncated, info = env.step(action)
                 self._store_obs(slot, obs, obs_out, k)
-                slab.rewards[i] = reward
-                slab.terminations[i] = terminated
-                slab.truncations[i] = truncated
+                slab.rewards[k] = reward
+                slab.terminations[k] = terminated
+                slab.truncations[k] = truncated
                 if info:
                     if infos is None:
                         infos = [{}] * n
                     infos[k] = info
             except Exception as exc:
-                errors.append(error_record(i, exc))
+                errors.append(error_record(slot.index, exc))
         return [obs_out, infos], errors
 
     def call(self, arg: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -129,12 +129,14 @@ def test_the_constructor_honours_timeout_when_an_env_fn_never_returns():
 
 
 def test_from_parent_honours_timeout_when_the_warmup_never_returns():
+    from gym_fork.vector.config import STARTUP_ALLOWANCE
+
     started = time.perf_counter()
-    with pytest.raises(SandboxStartError, match=r"no answer within 1\.0 s"):
+    with pytest.raises(SandboxStartError, match="no answer within"):
         ForkVectorEnv.from_parent(
             lambda: gym.make("CartPole-v1"), 2, warmup=lambda env: _hangs_forever(), timeout=1.0
         )
-    assert time.perf_counter() - started < 6.0
+    assert time.perf_counter() - started < 1.0 + STARTUP_ALLOWANCE + 5.0
 
 
 @pytest.mark.slow

@@ -126,7 +126,10 @@ def boot_template(config: MachineConfig, timeout: float) -> tuple[BranchPoint, f
         if point is not None and point.ram_fd >= 0:
             return point, 0.0
         started = time.perf_counter()
-        point = _boot(config, timeout)
+        from gym_fork import progress
+
+        with progress.task(f"booting the microVM guest ({config.accel}, once)", delay=0.5):
+            point = _boot(config, timeout)
         _BOOT_TEMPLATES[config] = point
         return point, time.perf_counter() - started
 
@@ -366,14 +369,17 @@ class MicroVMHost(SharedByBranches):
             return self._generation
 
     def _restore_clones(
-        self, point: BranchPoint, slab_fd: int, orders: list[tuple[WorkerSpec, dict]]
+        self,
+        point: BranchPoint,
+        slab_fds: Sequence[int],
+        orders: list[tuple[WorkerSpec, dict]],
     ) -> list[WorkerHandle]:
         """Start one QEMU per order on ``point``; each finds its order in its channel."""
         for pid in [pid for pid, m in self._machines.items() if not m.alive()]:
             del self._machines[pid]  # released ones (kill() reaped them)
         started: list[tuple[WorkerHandle, Machine]] = []
         try:
-            for spec, order in orders:
+            for (spec, order), slab_fd in zip(orders, slab_fds, strict=True):
                 channel = Channel.create(spec.name, self.config.ring_capacity, poll=True)
                 channel.set_positions(point.positions)
                 channel.send(order)
@@ -425,7 +431,7 @@ class MicroVMHost(SharedByBranches):
     def spawn(
         self,
         specs: Sequence[WorkerSpec],
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         attach: bytes | None = None,
     ) -> list[WorkerHandle]:
@@ -447,7 +453,7 @@ class MicroVMHost(SharedByBranches):
             for spec in specs
         ]
         try:
-            return self._restore_clones(self.template, slab_fd, orders)
+            return self._restore_clones(self.template, slab_fds, orders)
         except (MachineError, OSError) as exc:
             raise SandboxStartError(f"spawn {specs[0].name}: {exc}") from exc
 
@@ -456,7 +462,7 @@ class MicroVMHost(SharedByBranches):
         source: WorkerHandle,
         orders: Sequence[CloneOrder],
         num_envs: int,
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         ask: AskWorker,
     ) -> list[WorkerHandle]:
@@ -466,7 +472,8 @@ class MicroVMHost(SharedByBranches):
         source then resumes. (``ask`` is not needed: the controller copies the VM.)
         """
         self._check_capacity(ring_capacity)
-        self.check_slab(os.fstat(slab_fd).st_size)
+        for slab_fd in slab_fds:
+            self.check_slab(os.fstat(slab_fd).st_size)
         machine = source.host_data.machine if source.host_data is not None else None
         if machine is None or not machine.alive():
             raise SandboxStartError(f"fork: the VM of {source.name} is not running")
@@ -490,7 +497,7 @@ class MicroVMHost(SharedByBranches):
                 )
                 for order in orders
             ]
-            return self._restore_clones(point, slab_fd, rebinds)
+            return self._restore_clones(point, slab_fds, rebinds)
         except (MachineError, OSError) as exc:
             raise SandboxStartError(f"fork of {source.name}: {exc}") from exc
         finally:
