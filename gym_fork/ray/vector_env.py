@@ -741,7 +741,6 @@ class RayForkVectorEnv(VectorEnv):
         nodes = [nd["NodeID"] for nd in _alive_nodes()] if spread else []
         started = time.perf_counter()
 
-        # exact[k]: (source shard, local indices, copies per index, branch positions)
         # exact: source shard -> (shard, local indices, copies of each, branch positions);
         # fresh: node -> [(branch position, source index)]
         exact: dict[int, tuple[Shard, list[int], int, list[int]]] = {}
@@ -859,14 +858,18 @@ class RayForkVectorEnv(VectorEnv):
             by_actor.setdefault(id(shard.entry), (shard.entry, []))[1].append(shard)
         refs = []
         for entry, group in by_actor.values():
-            if entry.alive:
-                handles = [s.handle for s in group]
-                refs.append((entry, group, entry.actor.close.remote(handles, timeout, terminate)))
+            if not entry.alive:
+                for shard in group:
+                    entry.handles.discard(shard.handle)
+                continue
+            handles = [s.handle for s in group]
+            refs.append((entry, group, entry.actor.close.remote(handles, timeout, terminate)))
         for entry, group, ref in refs:
             try:
-                ray.get(ref, timeout=None if timeout is None else timeout + 5)
+                # bounded even without a timeout: a hung shard must not hang close()
+                ray.get(ref, timeout=60 if timeout is None else timeout + 5)
             except Exception:
-                entry.alive = False
+                self._family.pool.lost(entry)  # a shard that cannot close is ended
             for shard in group:
                 self._family.pool.release(entry, shard.handle)
 
@@ -898,8 +901,14 @@ class RayForkVectorEnv(VectorEnv):
 
 
 def _cause(err: Any) -> BaseException:
+    """The exception an actor method raised, with the actor-side traceback as a note."""
     cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
+    if not isinstance(cause, BaseException):
+        return err
+    remote = getattr(err, "traceback_str", None)
+    if remote:
+        cause.add_note(f"raised in a shard actor:\n{remote}")
+    return cause
 
 
 def _identity(obj: Any) -> str:

@@ -273,6 +273,26 @@ def test_tree_search_example_matches_local_beam_search(cluster):
         assert node.ret == pytest.approx(want)
 
 
+def test_from_parent_shards_and_spread_use_the_recipe(cluster):
+    envs = RayForkVectorEnv.from_parent(cartpole, 3, seed=0)
+    sync = SyncVectorEnv([cartpole] * 3)
+    try:
+        assert len(set(envs.node_ids)) == 3
+        obs, _ = envs.reset(seed=5)
+        assert np.array_equal(obs, sync.reset(seed=5)[0])
+        wide = envs.fork("recipe", indices=[0], copies=3, spread=True)
+        try:
+            # Right after reset(seed), exact and fresh copies hold the same state.
+            got = wide.step(np.ones(3, dtype=np.int64))[0]
+            assert np.array_equal(got[0], got[1]) and np.array_equal(got[1], got[2])
+            assert np.array_equal(got[0], sync.step(np.ones(3, dtype=np.int64))[0][0])
+        finally:
+            wide.close()
+    finally:
+        envs.close()
+        sync.close()
+
+
 def test_actor_killed_then_rebuilt_at_reset(cluster):
     envs = RayForkVectorEnv([cartpole] * 6)
     sync = SyncVectorEnv([cartpole] * 6)
