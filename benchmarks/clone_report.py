@@ -19,109 +19,30 @@ import argparse
 import functools
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 import gymnasium as gym
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from heavy_env import HeavyEnv
 
-from gym_fork import ForkVectorEnv
+from gym_fork.bench.clones import measure as _measure
+from gym_fork.bench.clones import pct
 
-
-def pss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    return 0
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+# The independent processes build the env from benchmarks/heavy_env.py, as this script does.
+HERE = os.path.dirname(os.path.abspath(__file__))
+IMPORTS = f"import sys; sys.path.insert(0, {HERE!r}); from heavy_env import HeavyEnv"
 
 
 def cartpole():
     return gym.make("CartPole-v1")
 
 
-INDEPENDENT = """
-import sys, gymnasium as gym
-sys.path.insert(0, {bench!r})
-from heavy_env import HeavyEnv
-env = {expr}
-env.reset(seed=0); env.step(0)
-with open("/proc/self/smaps_rollup") as f:
-    print(next(int(l.split()[1]) for l in f if l.startswith("Pss:")))
-"""
-
-
-def independent_pss_kb(expr: str) -> int:
-    code = INDEPENDENT.format(bench=os.path.dirname(os.path.abspath(__file__)), expr=expr)
-    return int(
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        ).stdout.split()[-1]
-    )
-
-
 def measure(name: str, make, expr: str, cold_runs: int, clone_runs: int) -> dict:
-    cold = []
-    for _ in range(cold_runs):
-        start = time.perf_counter()
-        env = make()
-        env.reset(seed=0)
-        env.step(0)
-        cold.append(time.perf_counter() - start)
-        env.close()
-        del env
-
-    envs = ForkVectorEnv.from_parent(make, 1, lineage_log=False)
-    one = np.zeros(1, dtype=np.int64)
-    try:
-        envs.reset(seed=0)
-        envs.step(one)
-        clone = []
-        for i in range(clone_runs):
-            start = time.perf_counter()
-            envs.reset(seed=i)  # a fresh clone of the warm parent
-            envs.step(one)
-            clone.append(time.perf_counter() - start)
-        fork = []
-        for i in range(clone_runs):
-            start = time.perf_counter()
-            branch = envs.fork(f"f{i}")
-            branch.step(one)
-            fork.append(time.perf_counter() - start)
-            branch.close()
-        fan, pss = [], []
-        tree = [envs.sandboxes.host.pid, *envs.worker_pids]  # the warm parent and the source
-        for i in range(3):
-            before = sum(pss_kb(p) for p in tree)
-            start = time.perf_counter()
-            branch = envs.fork(f"fan{i}", copies=64)
-            branch.step(np.zeros(64, dtype=np.int64))
-            fan.append(time.perf_counter() - start)
-            # PSS adds up to real memory use: the clones' cost is what the whole tree
-            # grew by (their private pages plus nothing else: shared pages only re-split).
-            pss.append(sum(pss_kb(p) for p in tree + branch.worker_pids) - before)
-            branch.close()
-    finally:
-        envs.close()
-    independent = independent_pss_kb(expr)
-    return {
-        "name": name,
-        "cold": cold,
-        "clone": clone,
-        "fork": fork,
-        "fan": fan,
-        "clones_pss_kb": statistics.median(pss),
-        "independent_pss_kb": independent * 64,
-    }
+    """Cold, clone, fork, fan-out of 64 (3 times) and memory of 64 clones."""
+    return _measure(
+        name, make, expr, cold_runs, clone_runs, fan_sizes=(64,), fan_repeats=3, imports=IMPORTS
+    )
 
 
 def main() -> None:

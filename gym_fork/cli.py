@@ -13,11 +13,28 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--num-envs", type=int, default=8)
     demo.add_argument("--steps", type=int, default=3000)
     sub.add_parser("doctor", help="what this host supports and what gym_fork will use")
-    lineage = sub.add_parser("lineage", help="print the branch tree of a lineage log")
+    lineage = sub.add_parser(
+        "lineage", help="print (or draw as HTML/PNG) the branch tree of a lineage log"
+    )
     lineage.add_argument("log", nargs="?", help="a lineage JSONL log (default: the default log)")
+    lineage.add_argument("--html", metavar="OUT", help="write a self-contained HTML page")
+    lineage.add_argument("--png", metavar="OUT", help="write a PNG image (needs matplotlib)")
+    lineage.add_argument("--root", metavar="BRANCH_ID", help="only the tree holding this branch")
+    lineage.add_argument("--last", type=int, metavar="N", help="only the last N trees")
+    lineage.add_argument("--title", default="gym_fork lineage", help="title of the picture")
     image = sub.add_parser("image", help="microVM guest image and kernel")
     image.add_argument("action", choices=["build", "kernel", "show"])
     image.add_argument("--force", action="store_true", help="rebuild even if cached")
+    image.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    bench = sub.add_parser(
+        "bench", help="ForkVectorEnv against Async/SyncVectorEnv and cold starts, in one run"
+    )
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller runs (under a minute)")
+    size.add_argument("--tiny", action="store_true", help="every figure once, in seconds")
+    bench.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    bench.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from gym_fork.demo import run
@@ -28,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run()
     elif args.command == "image":
-        return _image(args.action, args.force)
+        return _image(args.action, args.force, args.quiet)
+    elif args.command == "bench":
+        from gym_fork.bench.run import main as bench
+
+        mode = "quick" if args.quick else "tiny" if args.tiny else "full"
+        return bench(mode=mode, json_path=args.json, plots_dir=args.plots, quiet=args.quiet)
     elif args.command == "lineage":
         from gym_fork.lineage import default_log_path, read_log, render_tree
 
@@ -40,25 +62,55 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError:
             print(f"gym-fork lineage: no such log: {path}")
             return 2
+        if args.html or args.png:
+            return _pictures(events, str(path), args)
+        if args.root is not None or args.last is not None:
+            parser.error("--root and --last go with --html or --png")
         print(render_tree(events) or "(no branches in this log)")
     return 0
 
 
-def _image(action: str, force: bool) -> int:
+def _pictures(events: list[dict], source: str, args: argparse.Namespace) -> int:
+    """``gym-fork lineage --html/--png``: draw the branch trees of a log."""
+    from gym_fork.lineage.picture import branch_nodes, render_html, render_png, select_trees
+
+    nodes, roots = branch_nodes(events)
+    try:
+        roots = select_trees(nodes, roots, root=args.root, last=args.last)
+    except KeyError as exc:
+        print(f"gym-fork lineage: {exc.args[0]}")
+        return 2
+    options = {"title": args.title, "root": args.root, "last": args.last}
+    if args.html:
+        page = render_html(events, source=source, **options)
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
+        print(f"wrote {args.html} ({len(roots)} tree(s))")
+    if args.png:
+        try:
+            render_png(events, args.png, **options)
+        except ImportError as exc:
+            print(f"gym-fork lineage: {exc}")
+            return 2
+        print(f"wrote {args.png} ({len(roots)} tree(s))")
+    return 0
+
+
+def _image(action: str, force: bool, quiet: bool = False) -> int:
     """``gym-fork image build|kernel|show``: the microVM guest pieces."""
     from gym_fork.hosts.microvm.image import ImageError, build_image
     from gym_fork.hosts.microvm.kernel import KernelNotFound, fetch_debian_kernel, find_kernel
 
     try:
         if action == "kernel":
-            kernel = fetch_debian_kernel()
+            kernel = fetch_debian_kernel(quiet=quiet)
             print(f"guest kernel {kernel.version}: {kernel.vmlinuz}")
         elif action == "build":
-            image = build_image(force=force, log=print)
+            image = build_image(force=force, log=print, quiet=quiet)
             print(f"image {image.digest}: {image.root} + {image.initramfs}")
         else:
             kernel = find_kernel()
-            image = build_image(log=print)
+            image = build_image(log=print, quiet=quiet)
             print(f"kernel  {kernel.version} ({kernel.vmlinuz})")
             print(f"image   {image.digest}: {image.files} files, {image.root_bytes >> 20} MiB")
             print(f"python  {image.python}")

@@ -2,6 +2,7 @@
 
 from gym_fork.lineage.baseline import baseline_id, baseline_inputs
 from gym_fork.lineage.log import LineageLog, default_log_path, read_log
+from gym_fork.lineage.picture import render_html, render_png  # noqa: F401 (re-export)
 from gym_fork.lineage.tree import Lineage, LineageTree, render_tree
 
 __all__ = [

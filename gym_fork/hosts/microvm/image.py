@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gym_fork
+from gym_fork import progress
 from gym_fork.hosts.microvm.cpio import write_newc
 from gym_fork.hosts.microvm.kernel import Kernel, find_kernel
 from gym_fork.hosts.microvm.paths import cache_root
@@ -241,9 +242,9 @@ def _collect(python: str) -> _Manifest:
     return manifest
 
 
-def _stage(manifest: _Manifest, staging: Path) -> None:
+def _stage(manifest: _Manifest, staging: Path, bar: progress.Task | None = None) -> None:
     """Recreate the manifest under ``staging`` with hard links (copies across devices)."""
-    for path in sorted(manifest.entries):
+    for path in bar.track(sorted(manifest.entries)) if bar else sorted(manifest.entries):
         kind, value = manifest.entries[path]
         dest = staging / path.lstrip("/")
         if kind == "dir":
@@ -278,14 +279,16 @@ def _initramfs(kernel: Kernel, python: str, out: Path) -> None:
         write_newc(f, entries)
 
 
-def build_image(*, force: bool = False, log=None) -> GuestImage:
-    """The guest image for this interpreter and ``sys.path``, built once and cached."""
+def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestImage:
+    """The guest image for this interpreter and ``sys.path``, built once and cached
+    (with progress bars on a terminal unless ``quiet``)."""
     say = log or (lambda _msg: None)
     kernel = find_kernel()
     python = sys.executable
     if not shutil.which("mkfs.erofs"):
         raise ImageError("building a guest image needs mkfs.erofs: apt-get install erofs-utils")
-    manifest = _collect(python)
+    with progress.task("collecting the Python environment", quiet=quiet, delay=1.0):
+        manifest = _collect(python)
     digest = manifest.digest(
         [
             f"format {FORMAT}",
@@ -305,13 +308,15 @@ def build_image(*, force: bool = False, log=None) -> GuestImage:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=images_dir(), prefix=".build-") as tmp:
         staging = Path(tmp) / "root"
-        _stage(manifest, staging)
+        with progress.task("guest image: staging files", len(manifest.entries), quiet=quiet) as bar:
+            _stage(manifest, staging, bar)
         root = Path(tmp) / "root.erofs"
-        made = subprocess.run(
-            ["mkfs.erofs", "--quiet", "-T0", "-x-1", str(root), str(staging)],
-            capture_output=True,
-            text=True,
-        )
+        with progress.task("guest image: mkfs.erofs", quiet=quiet):
+            made = subprocess.run(
+                ["mkfs.erofs", "--quiet", "-T0", "-x-1", str(root), str(staging)],
+                capture_output=True,
+                text=True,
+            )
         if made.returncode != 0:
             raise ImageError(f"mkfs.erofs failed: {made.stderr.strip()}")
         _initramfs(kernel, python, Path(tmp) / "initramfs.cpio")

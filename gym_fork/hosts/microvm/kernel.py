@@ -8,6 +8,7 @@ the host's own ``/boot/vmlinuz-$(uname -r)`` where it is readable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gym_fork import progress
 from gym_fork.hosts.microvm.paths import cache_root
 
 # What the guest loads from the kernel's modules, in dependency order (resolved from
@@ -119,8 +121,9 @@ def _version_of(vmlinuz: Path) -> str:
     return vmlinuz.name.removeprefix("vmlinuz-")
 
 
-def fetch_debian_kernel() -> Kernel:
-    """``apt-get download`` Debian's current linux-image and unpack it into the cache."""
+def fetch_debian_kernel(*, quiet: bool = False) -> Kernel:
+    """``apt-get download`` Debian's current linux-image and unpack it into the cache
+    (with a progress bar on a terminal unless ``quiet``)."""
     if not shutil.which("apt-get") or not shutil.which("dpkg"):
         raise KernelNotFound("fetching a kernel needs apt-get and dpkg (a Debian host)")
     depends = subprocess.run(
@@ -134,13 +137,47 @@ def fetch_debian_kernel() -> Kernel:
     if not list(target.glob("boot/vmlinuz-*")):
         kernels_dir().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=kernels_dir()) as tmp:
-            subprocess.run(
-                ["apt-get", "download", "-q", package], cwd=tmp, check=True, capture_output=True
-            )
+            _download(package, tmp, quiet)
             (deb,) = Path(tmp).glob("*.deb")
             unpacked = Path(tmp) / "root"
-            subprocess.run(["dpkg", "-x", str(deb), str(unpacked)], check=True)
+            with progress.task(f"unpacking {package}", quiet=quiet):
+                subprocess.run(["dpkg", "-x", str(deb), str(unpacked)], check=True)
             if target.exists():
                 shutil.rmtree(target)
             unpacked.rename(target)
     return find_kernel()
+
+
+def _download(package: str, directory: str, quiet: bool) -> None:
+    """``apt-get download package`` into ``directory``; the bar follows the bytes that
+    arrive there against the size apt-cache announces."""
+    shown = subprocess.run(["apt-cache", "show", package], capture_output=True, text=True)
+    size = re.search(r"^Size: (\d+)", shown.stdout, re.MULTILINE)
+    total = (int(size.group(1)) >> 20 or None) if size else None
+    with (
+        progress.task(f"downloading {package} (MiB)", total, quiet=quiet) as bar,
+        tempfile.TemporaryFile() as output,  # a file, not a pipe: apt-get never blocks on it
+    ):
+        proc = subprocess.Popen(
+            ["apt-get", "download", "-q", package],
+            cwd=directory,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        while True:
+            try:
+                proc.wait(0.2)
+                break
+            except subprocess.TimeoutExpired:
+                bar.update(completed=_bytes_under(Path(directory)) >> 20)
+        if proc.returncode != 0:
+            output.seek(0)
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, output.read())
+
+
+def _bytes_under(directory: Path) -> int:
+    total = 0
+    for path in directory.rglob("*"):
+        with contextlib.suppress(OSError):  # renamed or removed by apt-get meanwhile
+            total += path.stat().st_size if path.is_file() else 0
+    return total

@@ -1,0 +1,156 @@
+"""Cold starts against clones of a warm parent: time, fan-out and memory (PSS).
+
+cold      env_fn() + reset + first step, in this process
+clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step
+fork      fork() of a running sub-env into a 1-env branch + first step
+fan-out   fork(copies=N) + one step of all N
+memory    PSS added by N clones (after their first step: the PSS of the warm parent,
+          source and clones minus that before the fan-out) against N x the PSS of one
+          independent process holding the same env (nothing shared between those)
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gym_fork.progress import Task
+
+# What the independent process imports before it evaluates the env expression.
+DEFAULT_IMPORTS = "from gym_fork.bench.heavy import HeavyEnv"
+
+INDEPENDENT = """
+import gymnasium as gym
+{imports}
+env = {expr}
+env.reset(seed=0); env.step(0)
+with open("/proc/self/smaps_rollup") as f:
+    print(next(int(l.split()[1]) for l in f if l.startswith("Pss:")))
+"""
+
+
+def pss_kb(pid: int) -> int:
+    """Proportional set size of a process in KiB (0 if it has none or is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def independent_pss_kb(expr: str, imports: str = DEFAULT_IMPORTS) -> int:
+    """PSS (KiB) of a fresh interpreter that built ``expr``, reset it and stepped it once."""
+    code = INDEPENDENT.format(imports=imports, expr=expr)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def measure(
+    name: str,
+    make: Callable[[], Any],
+    expr: str,
+    cold_runs: int,
+    clone_runs: int,
+    *,
+    fan_sizes: Sequence[int] = (64,),
+    fan_repeats: int = 3,
+    imports: str = DEFAULT_IMPORTS,
+    bar: Task | None = None,
+) -> dict[str, Any]:
+    """Cold, clone, fork and fan-out times (s) of ``make`` and the memory of the largest
+    fan-out against as many independent processes built from ``expr``.
+
+    Returns ``name``, ``cold``, ``clone``, ``fork`` (lists of seconds), ``fan_by_size``
+    (copies -> seconds), ``fan`` (those of the largest fan-out), ``clones`` (its size),
+    ``clones_pss_kb`` (median PSS it added) and ``independent_pss_kb``.
+    """
+    from gym_fork import ForkVectorEnv
+
+    def tick() -> None:
+        if bar is not None:
+            bar.advance()
+
+    cold = []
+    for _ in range(cold_runs):
+        start = time.perf_counter()
+        env = make()
+        env.reset(seed=0)
+        env.step(0)
+        cold.append(time.perf_counter() - start)
+        env.close()
+        del env
+        tick()
+
+    largest = max(fan_sizes)
+    envs = ForkVectorEnv.from_parent(make, 1, lineage_log=False)
+    one = np.zeros(1, dtype=np.int64)
+    try:
+        envs.reset(seed=0)
+        envs.step(one)
+        clone = []
+        for i in range(clone_runs):
+            start = time.perf_counter()
+            envs.reset(seed=i)  # a fresh clone of the warm parent
+            envs.step(one)
+            clone.append(time.perf_counter() - start)
+            tick()
+        fork = []
+        for i in range(clone_runs):
+            start = time.perf_counter()
+            branch = envs.fork(f"f{i}")
+            branch.step(one)
+            fork.append(time.perf_counter() - start)
+            branch.close()
+            tick()
+        fan_by_size: dict[int, list[float]] = {}
+        pss: list[float] = []
+        tree = [envs.sandboxes.host.pid, *envs.worker_pids]  # the warm parent and the source
+        for copies in fan_sizes:
+            times = fan_by_size.setdefault(copies, [])
+            for i in range(fan_repeats):
+                before = sum(pss_kb(p) for p in tree)
+                start = time.perf_counter()
+                branch = envs.fork(f"fan{copies}-{i}", copies=copies)
+                branch.step(np.zeros(copies, dtype=np.int64))
+                times.append(time.perf_counter() - start)
+                if copies == largest:
+                    # PSS adds up to real memory use: the clones' cost is what the whole
+                    # tree grew by (their private pages; shared pages only re-split).
+                    pss.append(sum(pss_kb(p) for p in tree + branch.worker_pids) - before)
+                branch.close()
+                tick()
+    finally:
+        envs.close()
+    independent = independent_pss_kb(expr, imports)
+    tick()
+    return {
+        "name": name,
+        "cold": cold,
+        "clone": clone,
+        "fork": fork,
+        "fan_by_size": fan_by_size,
+        "fan": fan_by_size[largest],
+        "clones": largest,
+        "clones_pss_kb": statistics.median(pss),
+        "independent_pss_kb": independent * largest,
+    }
+
+
+def steps_of(cold_runs: int, clone_runs: int, fan_sizes: Sequence[int], fan_repeats: int) -> int:
+    """How many times :func:`measure` advances its bar."""
+    return cold_runs + 2 * clone_runs + len(fan_sizes) * fan_repeats + 1
