@@ -124,6 +124,7 @@ class Family:
     counter: Any = field(default_factory=itertools.count)
 
     def new_handle(self, branch_id: str) -> str:
+        """A handle id unique among the family's actors."""
         return f"{branch_id}#{next(self.counter)}"
 
     def create_args(self, origins: list[int]) -> tuple[list | None, dict | None]:

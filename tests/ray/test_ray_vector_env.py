@@ -124,6 +124,11 @@ def test_conformance_with_sync(cluster, mode):
     try:
         assert len({p["node_id"] for p in envs.placement}) == 3
         assert [len(p["indices"]) for p in envs.placement] == [3, 2, 2]
+        # With shard actors and sandboxes running, still nothing off loopback.
+        listeners = cluster.listeners()
+        assert any(name.startswith("ray::ShardWork") for _a, name, _p in listeners)
+        assert all(is_loopback(addr) for addr, _n, _p in listeners), listeners
+        assert all(is_loopback(addr) for addr, _n, _p in cluster.connections())
         assert envs.single_observation_space == sync.single_observation_space
         assert envs.metadata["autoreset_mode"] == mode
         obs, info = envs.reset(seed=11)
