@@ -95,6 +95,11 @@ def remove_tree(warm_parent: int) -> None:
             os.rmdir(tree)
 
 
+def tree_exists(warm_parent: int) -> bool:
+    """Is any group of this warm parent's tree left?"""
+    return any(os.path.isdir(os.path.join(r, f"{PREFIX}{warm_parent}")) for r in _roots())
+
+
 def sweep_stale() -> None:
     """Remove the groups of warm parents that no longer exist (killed with SIGKILL)."""
     for root in _roots():

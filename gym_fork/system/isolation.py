@@ -13,6 +13,16 @@ Two levels, chosen so that the fork path stays fast:
   sandbox's tmpfs lives exactly as long as its mount namespace: nothing to clean up,
   even after a SIGKILL.
 
+- The tree also gets a **pid namespace** whose init (pid 1) is the warm parent: the
+  sandboxes see only their tree in a /proc of their own, orphans (clones, daemons of an
+  env) are adopted by the warm parent, and when it dies the kernel kills every process
+  of the tree.
+- Each sandbox is then **confined** (gym_fork/system/confine.py): no capabilities, not
+  dumpable, and a seccomp filter. Clones inherit that confinement from the sandbox they
+  are forked from, so they cannot make namespaces of their own: a clone shares its
+  source's mount and IPC namespaces and gets a private TMPDIR (a copy of its source's
+  temp files) instead.
+
 What is not isolated is reported, never assumed: see :func:`Isolation.report`.
 """
 
@@ -26,7 +36,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gym_fork.system import cgroups, linux
+from gym_fork.system import cgroups, confine, linux
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -57,29 +67,36 @@ class IsolationConfig:
     network: bool = False
     private_tmp: bool = False
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    confine: bool = True  # drop capabilities and install the seccomp filter
 
 
 @dataclass
 class Isolation:
-    """Layers achieved in one sandbox (or tree); ``missing`` says why a layer is not."""
+    """Layers achieved in one sandbox (or tree); ``missing`` says why a layer is not.
 
-    tree: dict[str, bool] = field(default_factory=dict)
-    sandbox: dict[str, bool] = field(default_factory=dict)
+    ``tree_id`` names the tree on the host (the pid, in the host's namespace, of the
+    process that started it): its cgroups and scratch directories carry it."""
+
+    tree: dict[str, Any] = field(default_factory=dict)
+    sandbox: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
+    tree_id: int = 0
 
     def report(self) -> dict[str, Any]:
-        return asdict(self)
+        """The achieved layers as plain data (for the HELLO and the isolation report)."""
+        out = asdict(self)
+        del out["tree_id"]
+        return out
 
 
 # -- tree level (warm parent) --------------------------------------------------------
-def isolate_tree(config: IsolationConfig) -> Isolation:
-    """Run once in the warm parent, before anything is built or forked."""
-    achieved = Isolation()
-    achieved.missing["pid"] = (
-        "not isolated: a sandbox's clones must outlive it, and a pid namespace dies with "
-        "its first process"
-    )
+def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
+    """Run once by the process that starts the tree, before anything is built or forked.
+
+    When ``tree["pid"]`` is True, the caller's next child is pid 1 of the tree's new
+    pid namespace and must call :func:`become_tree_init`."""
+    achieved = Isolation(tree_id=tree_id)
     if not config.namespaces:
         achieved.missing["namespaces"] = "disabled by the caller (isolation.namespaces=False)"
         return achieved
@@ -88,7 +105,7 @@ def isolate_tree(config: IsolationConfig) -> Isolation:
         ns.unshare(flags)
     except OSError as exc:
         why = f"unshare failed ({exc.strerror}): needs root or user namespaces"
-        for layer in ("mount", "uts", "net", "private_tmp"):
+        for layer in ("mount", "uts", "net", "pid", "private_tmp"):
             achieved.missing[layer] = why
         return achieved
     achieved.tree.update(mount=True, uts=True, net=not config.network)
@@ -96,13 +113,24 @@ def isolate_tree(config: IsolationConfig) -> Isolation:
         achieved.missing["net"] = "network=True: the host's network is shared"
     with contextlib.suppress(OSError):
         ns.sethostname("gym-fork")
+    try:
+        # Nothing mounted in the tree (its /proc, its /tmp) may propagate to the host.
+        ns.make_mounts_private()
+    except OSError as exc:
+        for layer in ("pid", "private_tmp"):
+            achieved.missing[layer] = f"mounts of the tree cannot be made private: {exc}"
+        return achieved
+    try:
+        ns.unshare(ns.CLONE_NEWPID)
+        achieved.tree["pid"] = True
+    except OSError as exc:
+        achieved.missing["pid"] = f"pid namespace: {exc}"
     if not config.private_tmp:
         achieved.missing["private_tmp"] = (
             "private_tmp=False (the default): /tmp and /dev/shm are the host's"
         )
         return achieved
     try:
-        ns.make_mounts_private()
         for target in ("/tmp", "/dev/shm"):
             kept = _keep_needed(target)
             ns.mount("tmpfs", target, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
@@ -113,20 +141,43 @@ def isolate_tree(config: IsolationConfig) -> Isolation:
     return achieved
 
 
+def become_tree_init(achieved: Isolation) -> None:
+    """Run in pid 1 of the tree's pid namespace: mount the tree's own /proc."""
+    try:
+        ns.mount_own_proc()
+        achieved.tree["proc"] = True
+    except OSError as exc:
+        achieved.missing["proc"] = f"own /proc: {exc} (the host's processes stay visible)"
+
+
 # -- sandbox level ---------------------------------------------------------------------
 def enter_sandbox(
     config: IsolationConfig, tree: Isolation, warm_parent: int, copy_from: str | None
 ) -> tuple[str | None, Isolation]:
-    """Isolate the calling (just forked) sandbox; returns its host scratch dir and report.
+    """Isolate, then confine, the calling (just forked) sandbox; returns its scratch dir
+    and report.
 
     With namespaces the sandbox's /tmp and /dev/shm are its own tmpfs mounts (a copy of
     its source's) and the scratch dir is None: nothing on the host to clean. Without,
-    it gets a private directory under the host's temp dir as TMPDIR (``copy_from`` is
-    the source's, copied for a clone).
+    or in a clone (which inherits its source's confinement and so cannot make mounts),
+    it gets a private directory as TMPDIR (``copy_from`` is the source's, copied for a
+    clone; None: the source's temp dir).
     """
-    achieved = Isolation(tree=dict(tree.tree), missing=dict(tree.missing))
+    achieved = Isolation(tree=dict(tree.tree), missing=dict(tree.missing), tree_id=tree.tree_id)
+    owner = tree.tree_id or warm_parent
     scratch = None
-    if tree.tree.get("private_tmp"):
+    inherited = confine.inherited()
+    if inherited:
+        why = (
+            "a clone shares its source's mount and IPC namespaces: the source dropped the "
+            "privileges that making new ones needs"
+        )
+        achieved.missing["sandbox_mount"] = why
+        if config.namespaces and tree.tree.get("mount"):
+            achieved.missing["ipc"] = why
+        if copy_from is None and tree.tree.get("private_tmp"):
+            copy_from = tempfile.gettempdir()
+    elif tree.tree.get("private_tmp"):
         try:
             ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
             achieved.sandbox.update(mount=True, ipc=True)
@@ -143,7 +194,7 @@ def enter_sandbox(
         pass  # the caller wants the host's /tmp: nothing private, nothing to copy
     elif not achieved.sandbox.get("private_tmp"):
         scratch = tempfile.mkdtemp(
-            prefix=f"gym_fork-scratch-{warm_parent}-{os.getpid()}-", dir=base_dir()
+            prefix=f"gym_fork-scratch-{owner}-{os.getpid()}-", dir=base_dir()
         )
         _copy_tree(copy_from, scratch)
         os.environ["TMPDIR"] = scratch
@@ -154,7 +205,12 @@ def enter_sandbox(
     else:
         os.environ["TMPDIR"] = "/tmp"
         tempfile.tempdir = "/tmp"
-    if not achieved.sandbox.get("mount") and config.namespaces and tree.tree.get("mount"):
+    if (
+        not inherited
+        and not achieved.sandbox.get("mount")
+        and config.namespaces
+        and tree.tree.get("mount")
+    ):
         try:  # still give the sandbox its own IPC namespace
             ns.unshare(ns.CLONE_NEWIPC)
             achieved.sandbox["ipc"] = True
@@ -168,13 +224,38 @@ def enter_sandbox(
     achieved.limits = apply_limits(config.limits, achieved.missing)
     limits = config.limits
     if limits.memory_bytes is not None or limits.processes is not None:
-        joined = cgroups.join(warm_parent, limits.memory_bytes, limits.processes)
+        joined = cgroups.join(owner, limits.memory_bytes, limits.processes)
         for name, why in joined.pop("errors").items():
             achieved.missing[f"cgroup_{name}"] = why
         if "processes" in joined:
             achieved.missing.pop("limit_processes", None)  # pids.max binds root too
         achieved.limits["cgroups"] = joined
+    _confine(config, achieved)
     return scratch, achieved
+
+
+def _confine(config: IsolationConfig, achieved: Isolation) -> None:
+    """Last step of the set-up: give up the privileges it needed, then filter syscalls."""
+    if not config.confine:
+        why = "disabled by the caller (isolation.confine=False)"
+        achieved.missing["capabilities"] = achieved.missing["seccomp"] = why
+        return
+    if os.geteuid() == 0:
+        with contextlib.suppress(OSError):
+            confine.forbid_tracing()
+    try:
+        confine.drop_capabilities()
+        achieved.sandbox["capabilities"] = "dropped"
+    except OSError as exc:
+        achieved.missing["capabilities"] = str(exc)
+    if not achieved.sandbox.get("no_new_privs"):
+        achieved.missing["seccomp"] = "needs no_new_privs, which could not be set"
+        return
+    try:
+        refused = confine.install_seccomp()
+        achieved.sandbox["seccomp"] = f"on ({refused} syscalls refused)"
+    except OSError as exc:
+        achieved.missing["seccomp"] = str(exc)
 
 
 def _keep_needed(root: str) -> list[tuple[str, int]]:
@@ -199,11 +280,21 @@ def _reattach(kept: list[tuple[str, int]]) -> None:
 
 
 def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
+    """Copy ``source``'s entries into ``target``, without ``skip``, scratch directories
+    and other mounts (a re-attached venv under /tmp is not copied)."""
     if not (source and os.path.isdir(source)):
         return
-    names = [n for n in os.listdir(source) if os.path.join(source, n) not in skip]
+    device = os.stat(source).st_dev
+    names = [
+        n
+        for n in os.listdir(source)
+        if os.path.join(source, n) not in skip and not n.startswith("gym_fork-scratch-")
+    ]
     for name in names:
         src, dst = os.path.join(source, name), os.path.join(target, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(src).st_dev != device:
+                continue
         if os.path.isdir(src) and not os.path.islink(src):
             shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
         else:

@@ -40,8 +40,11 @@ def wait_readable(fd: int, timeout: float | None) -> bool:
 class ProcessWatch:
     """Liveness of a process that is not our child, through a pidfd."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, fd: int | None = None) -> None:
         self.pid = pid
+        if fd is not None:
+            self.fd = fd  # a pidfd received from the process's parent: ours to close
+            return
         try:
             self.fd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -67,6 +70,25 @@ class ProcessWatch:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def pidfd_pids(fd: int) -> list[int]:
+    """The pids of a pidfd's process, from this process's pid namespace down to the
+    process's own (``NSpid``); [] when ``fd`` is not a pidfd, [-1] once it is reaped.
+
+    A pidfd received from another pid namespace tells us its pid in ours."""
+    try:
+        if "pidfd" not in os.readlink(f"/proc/self/fd/{fd}"):
+            return []
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return [int(p) for p in line.split()[1:]]
+                if line.startswith("Pid:") and int(line.split()[1]) < 0:
+                    return [-1]
+    except (OSError, ValueError):
+        return []
+    return []
 
 
 def describe_status(status: int | None) -> str:

@@ -14,6 +14,7 @@ CLONE_NEWPID = 0x20000000
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -45,6 +46,12 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
         ),
         f"mount {target}",
     )
+
+
+def mount_own_proc() -> None:
+    """Cover /proc with a procfs of the caller's pid namespace (call from its pid 1, in
+    a private mount namespace): processes outside the namespace disappear from view."""
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def make_mounts_private() -> None:

@@ -86,7 +86,7 @@ def test_tmp_and_dev_shm_are_private_to_each_sandbox():
         assert report["private_tmp"] and report["namespaces"]["mount"]
         assert report["namespaces"]["ipc"] and report["no_new_privs"]
         assert envs.call("hostname") == ("gym-fork", "gym-fork")
-        assert "pid" in report["missing"]  # reported, not claimed
+        assert report["namespaces"]["pid"] and "pid" not in report["missing"]
     finally:
         envs.close()
     envs = sandboxes()  # the default: the host's /tmp, as AsyncVectorEnv

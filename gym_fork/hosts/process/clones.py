@@ -22,7 +22,13 @@ from gym_fork.transport.control import recv_message
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import SubEnvSlot, reseed_env
 
-from .sandbox import FDS_PER_SANDBOX, ProcessWorker, redirect_output, run_as_sandbox
+from .sandbox import (
+    FDS_PER_SANDBOX,
+    ProcessWorker,
+    redirect_output,
+    run_as_sandbox,
+    send_with_pidfds,
+)
 
 # A fan-out gets one more intermediate (up to one per core) per this many clones.
 FORKS_PER_INTERMEDIATE = 16
@@ -39,14 +45,14 @@ class _Clone:
 
 def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
     """Serve a FORK: ``arg["clones"]`` lists ``[source_index, branch_index, seed,
-    name]``; the fds (branch slab, then FDS_PER_SANDBOX per clone) arrive on the
+    name]``; the fds (FDS_PER_SANDBOX per clone, its own slab first) arrive on the
     worker's side socket. Returns the clones' pids, in order."""
     clones = arg["clones"]
     _message, fds = recv_message(worker.sock)
     try:
         per = FDS_PER_SANDBOX
-        if len(fds) != 1 + per * len(clones):
-            raise RuntimeError(f"fork: expected {1 + per * len(clones)} fds, got {len(fds)}")
+        if len(fds) != per * len(clones):
+            raise RuntimeError(f"fork: expected {per * len(clones)} fds, got {len(fds)}")
         plan = []
         for k, (source_index, branch_index, seed, name) in enumerate(clones):
             slot = next((s for s in worker.slots if s.index == source_index), None)
@@ -54,14 +60,13 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
                 raise RuntimeError(f"fork: this worker does not host sub-env {source_index}")
             if seed is not None and not isinstance(seed, int):
                 raise TypeError(f"fork: a seed must be an int or None, got {seed!r}")
-            plan.append(
-                _Clone(
-                    slot, branch_index, seed, name, (fds[0], *fds[1 + per * k : 1 + per * (k + 1)])
-                )
-            )
+            plan.append(_Clone(slot, branch_index, seed, name, tuple(fds[per * k : per * (k + 1)])))
         branch_arg = dict(worker.attach_arg, num_envs=arg["num_envs"])
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
-        return _double_fork(worker, plan, fds, branch_arg, arg["ring_capacity"])
+        pids = _double_fork(worker, plan, fds, branch_arg, arg["ring_capacity"])
+        # The controller learns the clones' pids in its own pid namespace from these.
+        send_with_pidfds(worker.sock, {"op": "forked", "pids": pids}, pids)
+        return pids
     finally:
         for fd in fds:
             os.close(fd)

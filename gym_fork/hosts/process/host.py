@@ -29,17 +29,67 @@ from gym_fork.hosts.base import (
 )
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
-from gym_fork.system.linux import ProcessWatch, raise_fd_limit, wait_readable
+from gym_fork.system import cgroups
+from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
 from gym_fork.worker import protocol as P
 
-# Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, plus the slab's,
-# and the kernel passes at most 253 fds in one message (SCM_MAX_FD).
-SPAWN_BATCH = 60
-assert 1 + SPAWN_BATCH * FDS_PER_SANDBOX <= 253
+# Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
+# passes at most 253 fds in one message (SCM_MAX_FD).
+SPAWN_BATCH = 50
+assert SPAWN_BATCH * FDS_PER_SANDBOX <= 253
 
 _PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
+
+# Set in every warm parent's environment to the controller's pid, and so inherited by
+# every sandbox and whatever it starts: leak checks find a tree's processes by it.
+SANDBOX_MARKER = "GYM_FORK_SANDBOX"
+
+
+class SandboxLink:
+    """What the controller keeps per sandbox besides the handle's fields: its side
+    socket (fds for FORK travel on it) and its pid inside the tree's pid namespace
+    (the warm parent knows its sandboxes by that one)."""
+
+    def __init__(self, sock: socket.socket, local_pid: int) -> None:
+        self.sock = sock
+        self.local_pid = local_pid
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def adopt_pidfds(local_pids: list[int], reply: dict, fds: list[int]) -> list[ProcessWatch]:
+    """Watches (pidfds, with pids in the controller's namespace) of the processes a
+    warm parent or worker reported as ``local_pids``, from the pidfds that came with its
+    ``reply``. A peer that sends anything but a pidfd of each process is refused: the
+    controller never signals or inspects a pid it was merely told."""
+    present = reply.get("pidfds")
+    rest = list(fds)
+    watches: list[ProcessWatch] = []
+    try:
+        if (
+            not isinstance(present, list)
+            or len(present) != len(local_pids)
+            or sum(bool(p) for p in present) != len(fds)
+        ):
+            raise SandboxStartError(f"expected a pidfd per process, got {len(fds)}")
+        for local, has_fd in zip(local_pids, present, strict=True):
+            if not has_fd:  # reaped already: a watch that says dead
+                watches.append(ProcessWatch(int(local), -1))
+                continue
+            fd = rest.pop(0)
+            pids = pidfd_pids(fd)
+            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else int(local), fd))
+            if not pids or pids[-1] not in (int(local), -1):
+                raise SandboxStartError(f"not a pidfd of process {local}")
+    except BaseException:
+        _close_all(rest)
+        for watch in watches:
+            watch.close()
+        raise
+    return watches
 
 
 class SandboxEnds:
@@ -70,18 +120,24 @@ class SandboxEnds:
         for fd in (self.out_r, self.err_r):
             os.close(fd)
 
-    def handle(self, pid: int) -> WorkerHandle:
-        self.output.watch(str(pid), self.out_r, self.err_r)
+    def handle(self, local_pid: int, watch: ProcessWatch) -> WorkerHandle:
+        """The handle of the sandbox, known to the controller by its host pid."""
+        self.output.watch(str(watch.pid), self.out_r, self.err_r)
         return WorkerHandle(
             self.spec.name,
             list(self.spec.indices),
             self.channel,
-            pid,
-            ProcessWatch(pid),
+            watch.pid,
+            watch,
             list(self.spec.origins),
             output=self.output,
-            host_data=self.ours,  # the side socket: fds for FORK travel on it
+            host_data=SandboxLink(self.ours, int(local_pid)),
         )
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
@@ -122,6 +178,7 @@ class ProcessHost(SharedByBranches):
         env["PYTHONPATH"] = os.pathsep.join(
             [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
+        env[SANDBOX_MARKER] = str(os.getpid())
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gym_fork.hosts.process.parent", str(theirs.fileno())],
@@ -139,30 +196,33 @@ class ProcessHost(SharedByBranches):
             message["die_with_controller"] = threading.current_thread() is threading.main_thread()
             message["isolation"] = cloudpickle.dumps(config.isolation)
             send_message(self.sock, message)
-            reply = self._request_reply(config.start_timeout, what="warm parent start")
+            reply, fds = self._request_reply(config.start_timeout, what="warm parent start")
             if reply["op"] != "ready":
+                _close_all(fds)
                 raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
+            (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
         except BaseException:
             self.close()
             raise
-        self.pid = int(reply["pid"])
+        # In its own pid namespace the warm parent is pid 1; this is its host pid.
+        self.pid = parent.pid
+        parent.close()
         self.gpu_pid: int | None = self.pid
         self.tree_isolation = reply.get("isolation", {})
 
-    def _request_reply(self, timeout: float | None, what: str) -> dict:
+    def _request_reply(self, timeout: float | None, what: str) -> tuple[dict, list[int]]:
         if not wait_readable(self.sock.fileno(), timeout):
             raise SandboxStartError(f"{what}: no answer within {timeout} s")
         try:
-            message, _ = recv_message(self.sock)
+            return recv_message(self.sock)
         except (EOFError, ConnectionError) as exc:
             code = self.process.poll()
             raise SandboxStartError(f"{what}: the warm parent died (exit code {code})") from exc
-        return message
 
     def spawn(
         self,
         specs: Sequence[WorkerSpec],
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         attach: bytes | None = None,
     ) -> list[WorkerHandle]:
@@ -175,7 +235,8 @@ class ProcessHost(SharedByBranches):
         try:
             for start in range(0, len(specs), SPAWN_BATCH):
                 batch = list(specs[start : start + SPAWN_BATCH])
-                handles += self._spawn_batch(batch, slab_fd, ring_capacity, attach)
+                fds = list(slab_fds[start : start + SPAWN_BATCH])
+                handles += self._spawn_batch(batch, fds, ring_capacity, attach)
         except BaseException:
             for handle in handles:
                 handle.kill()
@@ -184,12 +245,16 @@ class ProcessHost(SharedByBranches):
         return handles
 
     def _spawn_batch(
-        self, specs: list[WorkerSpec], slab_fd: int, ring_capacity: int, attach: bytes | None
+        self,
+        specs: list[WorkerSpec],
+        slab_fds: list[int],
+        ring_capacity: int,
+        attach: bytes | None,
     ) -> list[WorkerHandle]:
         ends = [SandboxEnds(spec, ring_capacity, self.output) for spec in specs]
-        fds = [slab_fd]
-        for end in ends:
-            fds += end.fds()
+        fds = []
+        for end, slab_fd in zip(ends, slab_fds, strict=True):
+            fds += [slab_fd, *end.fds()]
         message = {
             "op": "spawn",
             "attach": attach,
@@ -204,24 +269,31 @@ class ProcessHost(SharedByBranches):
             ],
         }
 
-        def exchange() -> dict:
+        def exchange() -> tuple[dict, list[ProcessWatch]]:
             with self._lock:
                 send_message(self.sock, message, fds=tuple(fds))
-                return self._request_reply(60.0, what=f"spawn {specs[0].name}")
+                reply, pidfds = self._request_reply(60.0, what=f"spawn {specs[0].name}")
+            if reply["op"] != "spawned":
+                _close_all(pidfds)
+                return reply, []
+            return reply, adopt_pidfds(list(reply["pids"]), reply, pidfds)
 
-        reply = hand_over(ends, exchange)
+        reply, watches = hand_over(ends, exchange)
         if reply["op"] != "spawned":
             for end in ends:
                 end.abort()
             raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
-        return [end.handle(pid) for end, pid in zip(ends, reply["pids"], strict=True)]
+        return [
+            end.handle(pid, watch)
+            for end, pid, watch in zip(ends, reply["pids"], watches, strict=True)
+        ]
 
     def fork(
         self,
         source: WorkerHandle,
         orders: Sequence[CloneOrder],
         num_envs: int,
-        slab_fd: int,
+        slab_fds: Sequence[int],
         ring_capacity: int,
         ask: AskWorker,
     ) -> list[WorkerHandle]:
@@ -231,7 +303,8 @@ class ProcessHost(SharedByBranches):
         try:
             for start in range(0, len(orders), SPAWN_BATCH):
                 batch = list(orders[start : start + SPAWN_BATCH])
-                handles += self._fork_batch(source, batch, num_envs, slab_fd, ring_capacity, ask)
+                fds = list(slab_fds[start : start + SPAWN_BATCH])
+                handles += self._fork_batch(source, batch, num_envs, fds, ring_capacity, ask)
         except BaseException:
             for handle in handles:
                 handle.kill()
@@ -239,20 +312,30 @@ class ProcessHost(SharedByBranches):
             raise
         return handles
 
-    def _fork_batch(self, source, orders, num_envs, slab_fd, ring_capacity, ask):
+    def _fork_batch(self, source, orders, num_envs, slab_fds, ring_capacity, ask):
         ends = [SandboxEnds(order.spec, ring_capacity, self.output) for order in orders]
-        fds = [slab_fd]
-        for end in ends:
-            fds += end.fds()
+        fds = []
+        for end, slab_fd in zip(ends, slab_fds, strict=True):
+            fds += [slab_fd, *end.fds()]
         clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
 
-        def exchange() -> list[int]:
-            send_message(source.host_data, {"op": "fork"}, fds=tuple(fds))
-            arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
-            return ask(P.FORK, arg)
+        link: SandboxLink = source.host_data
 
-        pids = hand_over(ends, exchange)
-        return [end.handle(pid) for end, pid in zip(ends, pids, strict=True)]
+        def exchange() -> tuple[list[int], list[ProcessWatch]]:
+            send_message(link.sock, {"op": "fork"}, fds=tuple(fds))
+            arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
+            pids = ask(P.FORK, arg)
+            # The worker sent a pidfd of each clone on its side socket before replying.
+            if not wait_readable(link.sock.fileno(), 5.0):
+                raise SandboxStartError(f"fork of {source.name}: no pidfds for the clones")
+            reply, pidfds = recv_message(link.sock)
+            if not isinstance(reply, dict) or reply.get("pids") != list(pids):
+                _close_all(pidfds)
+                raise SandboxStartError(f"fork of {source.name}: pidfds do not match")
+            return pids, adopt_pidfds(list(pids), reply, pidfds)
+
+        pids, watches = hand_over(ends, exchange)
+        return [end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)]
 
     def alive(self) -> bool:
         """Health check of the warm parent (its sandboxes die with it)."""
@@ -263,9 +346,12 @@ class ProcessHost(SharedByBranches):
         if self.sock is None:
             return None
         with self._lock:
+            local_pid = getattr(worker.host_data, "local_pid", worker.pid)
             try:
-                send_message(self.sock, {"op": "status", "pid": worker.pid})
-                code = self._request_reply(2.0, what="status").get("code")
+                send_message(self.sock, {"op": "status", "pid": local_pid})
+                reply, fds = self._request_reply(2.0, what="status")
+                _close_all(fds)
+                code = reply.get("code")
             except (OSError, SandboxStartError, EOFError):
                 return None
         return code if isinstance(code, int) else None
@@ -291,13 +377,19 @@ class ProcessHost(SharedByBranches):
                 "ipc": bool(own.get("ipc")),
                 "uts": bool(tree.get("uts")),
                 "net": bool(tree.get("net")),
-                "pid": False,
+                "pid": bool(tree.get("pid")),
             },
             private_tmp=bool(own.get("private_tmp")),
             no_new_privs=bool(own.get("no_new_privs")),
             limits=report.get("limits", {}),
             missing=missing,
-            details={"process": True, "address_space": "copy-on-write fork"},
+            details={
+                "process": True,
+                "address_space": "copy-on-write fork",
+                "proc": "the tree's own" if tree.get("proc") else "the host's",
+                "capabilities": own.get("capabilities", "kept"),
+                "seccomp": own.get("seccomp", "off"),
+            },
         )
 
     def close(self, timeout: float = 2.0) -> None:
@@ -311,8 +403,10 @@ class ProcessHost(SharedByBranches):
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.process.kill()  # its tree's init dies with it (PDEATHSIG)
                 self.process.wait()
+            # It removes its tree's groups itself, unless it had to be killed.
+            cgroups.remove_tree(self.process.pid)
         if self.watch is not None:
             self.watch.close()
             self.watch = None

@@ -4,9 +4,17 @@ Started by :class:`gym_fork.hosts.process.host.ProcessHost` as
 ``python -m gym_fork.hosts.process.parent FD`` (never forked from the user's process,
 which may hold threads, locks or a CUDA context). It receives the env_fns, imports
 what they need once (unpickling them does), optionally builds and warms one prototype
-env (``from_parent``), then forks workers on request. It is a child subreaper, so the
-clones that workers fork for branches are adopted by it and outlive their source. It
-exits, killing every sandbox, when the controller closes the control socket or dies.
+env (``from_parent``), then forks workers on request.
+
+With namespaces, the process the controller started makes the tree's namespaces, a pid
+namespace among them, forks the real warm parent as pid 1 of it, and only waits for it
+(then removes the tree's cgroups). As the pid namespace's init, the warm parent adopts
+every orphan of the tree (the clones that workers fork for branches outlive their
+source; daemons an env starts) and when it exits the kernel kills every process of the
+tree, however it was started. Without a pid namespace it is a child subreaper instead.
+It exits, killing every sandbox, when the controller closes the control socket or dies
+(watched through a pidfd: an inherited copy of the socket in a child of the controller
+does not keep it alive).
 """
 
 from __future__ import annotations
@@ -17,13 +25,25 @@ import select
 import signal
 import socket
 import sys
+import time
 
 import cloudpickle
 
 from gym_fork.hosts.base import prepare_failure
-from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX, redirect_output, run_as_sandbox, serve
+from gym_fork.hosts.process.sandbox import (
+    FDS_PER_SANDBOX,
+    redirect_output,
+    run_as_sandbox,
+    send_with_pidfds,
+    serve,
+)
 from gym_fork.system import cgroups, linux
-from gym_fork.system.isolation import IsolationConfig, isolate_tree
+from gym_fork.system.isolation import (
+    Isolation,
+    IsolationConfig,
+    become_tree_init,
+    isolate_tree,
+)
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.transport.control import recv_message, send_message
 from gym_fork.worker.prepare import EnvRecipe
@@ -32,26 +52,37 @@ from gym_fork.worker.prepare import EnvRecipe
 class WarmParent:
     """State of the warm parent process: what it prepared, and its sandboxes."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        config: IsolationConfig,
+        tree: Isolation,
+        controller: int = -1,
+    ) -> None:
         self.sock = sock
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # 1 when the tree has its own pid namespace
         self.recipe = EnvRecipe()
         self.exit_codes: dict[int, int] = {}
         self.spawned: set[int] = set()
-        self.isolation_config = IsolationConfig()
-        self.tree_isolation = None
+        self.isolation_config = config
+        self.tree_isolation = tree
+        self.tree_id = tree.tree_id or self.pid
+        self.controller = controller  # a pidfd of the controller, -1 if none
+        self.is_init = bool(tree.tree.get("pid"))
 
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
-        """Fork one worker per entry of ``message['workers']``; fds: the slab, then
-        FDS_PER_SANDBOX per worker (channel, side socket, stdout, stderr)."""
-        slab_fd, rest = fds[0], fds[1:]
+        """Fork one worker per entry of ``message['workers']``; fds: FDS_PER_SANDBOX per
+        worker (its own slab, channel, side socket, stdout, stderr). Returns their pids
+        (in the tree's pid namespace)."""
         per = FDS_PER_SANDBOX
+        if len(fds) != per * len(message["workers"]):
+            raise RuntimeError(f"spawn: expected {per * len(message['workers'])} fds")
         sys.stdout.flush()
         sys.stderr.flush()
         attach = self.recipe.attach_arg(message.get("attach"))
         pids = []
         for k, spec in enumerate(message["workers"]):
-            channel_fd, sock_fd, out_fd, err_fd = rest[per * k : per * (k + 1)]
+            slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds[per * k : per * (k + 1)]
             pid = os.fork()
             if pid == 0:
                 for fd in fds:
@@ -73,6 +104,8 @@ class WarmParent:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self.sock.close()
+            if self.controller >= 0:
+                os.close(self.controller)  # a sandbox must not hold the controller
             serve(
                 channel_fd,
                 spec["ring_capacity"],
@@ -97,15 +130,32 @@ class WarmParent:
                 return
             self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
             self.spawned.discard(pid)
-            remove_sandbox_scratch(self.pid, pid)
-            cgroups.remove(self.pid, pid)
+            remove_sandbox_scratch(self.tree_id, pid)
+            cgroups.remove(self.tree_id, pid)
 
     def kill_children(self) -> None:
+        """Kill and reap every sandbox, then remove the tree's cgroups and scratch."""
         try:
-            self._kill_children()
+            if self.is_init:
+                self._kill_namespace()
+            else:
+                self._kill_children()
         finally:
-            sweep(self.pid)
-            cgroups.remove_tree(self.pid)
+            sweep(self.tree_id)
+            cgroups.remove_tree(self.tree_id)
+
+    def _kill_namespace(self) -> None:
+        # As pid 1, kill(-1) reaches every other process of the namespace, however it
+        # got there (clones, daemons, the fork bomb of an env); reap until none is left.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(-1, signal.SIGKILL)
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
+            self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
 
     def _kill_children(self) -> None:
         # Sandboxes adopted from workers die with us through their PDEATHSIG; the ones
@@ -120,9 +170,13 @@ class WarmParent:
             select.select([], [], [], 0.01)
 
     def serve(self) -> None:
+        """Answer the controller until it says exit, closes the socket or dies."""
+        watched = [self.sock] + ([self.controller] if self.controller >= 0 else [])
         while True:
-            readable, _, _ = select.select([self.sock], [], [], 0.2)
+            readable, _, _ = select.select(watched, [], [], 0.2)
             self.reap()
+            if self.controller in readable:
+                return  # the controller is dead
             if not readable:
                 continue
             try:
@@ -133,9 +187,10 @@ class WarmParent:
             if op == "spawn":
                 try:
                     pids = self.spawn(message, fds)
-                    send_message(self.sock, {"op": "spawned", "pids": pids})
                 except Exception as exc:
                     send_message(self.sock, {"op": "error", "error": repr(exc)})
+                else:
+                    send_with_pidfds(self.sock, {"op": "spawned", "pids": pids}, pids)
             elif op == "status":
                 self.reap()
                 code = self.exit_codes.get(message["pid"])
@@ -144,28 +199,84 @@ class WarmParent:
                 return
 
 
+def _watch_controller(pid: int) -> int:
+    """A pidfd of the controller (our parent); exit now if it is gone already."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(70)
+    if os.getppid() != pid:
+        os._exit(70)
+    return fd
+
+
+def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> None:
+    """Fork pid 1 of the tree's new pid namespace and return in it; this process only
+    waits for it (killing it if the controller dies first), removes the tree's cgroups
+    and scratch, and exits with its status."""
+    me = os.pidfd_open(os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if select.select([me], [], [], 0)[0]:
+            os._exit(70)  # the waiter died before PDEATHSIG was set
+        os.close(me)
+        become_tree_init(tree)
+        return
+    os.close(me)
+    sock.close()
+    init = os.pidfd_open(pid)
+    try:
+        # The init watches the controller too, but not while it prepares (env_fns).
+        select.select([init, controller], [], [])
+    except BaseException:
+        pass  # SIGTERM: fall through and take the tree down
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may cut the cleanup short
+        if not linux.wait_readable(init, 0.5):  # time for the init to clean up itself
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)  # every process of the tree is gone by now
+        code = os.waitstatus_to_exitcode(status)
+        deadline = time.monotonic() + 1.0
+        while cgroups.tree_exists(tree.tree_id) and time.monotonic() < deadline:
+            cgroups.remove_tree(tree.tree_id)
+            time.sleep(0.01)
+        sweep(tree.tree_id)
+        os._exit(code if code >= 0 else 128 - code)
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
-    parent = WarmParent(sock)
     try:
         message, _ = recv_message(sock)
-        if message.get("die_with_controller"):
-            # SIGTERM (not SIGKILL) so that the finally below still cleans up.
-            linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
-        parent.isolation_config = cloudpickle.loads(message["isolation"])
-        parent.tree_isolation = isolate_tree(parent.isolation_config)
-        cgroups.sweep_stale()
+    except (EOFError, ConnectionError):
+        return
+    controller = _watch_controller(message["controller_pid"])
+    if message.get("die_with_controller"):
+        # SIGTERM (not SIGKILL) so that the cleanup below still runs.
+        linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
+    config = cloudpickle.loads(message["isolation"])
+    cgroups.sweep_stale()  # here, where /proc is still the host's
+    tree = isolate_tree(config, os.getpid())
+    if tree.tree.get("pid"):
+        _start_tree_init(sock, controller, tree)
+    else:
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+    parent = WarmParent(sock, config, tree, controller)
+    try:
         try:
             parent.recipe.prepare(message)
         except Exception as exc:
             send_message(sock, prepare_failure(exc))
             return
-        send_message(
+        send_with_pidfds(
             sock,
-            {"op": "ready", "pid": os.getpid(), "isolation": parent.tree_isolation.report()},
+            {"op": "ready", "pid": os.getpid(), "isolation": tree.report()},
+            [os.getpid()],
         )
         parent.serve()
     except (EOFError, ConnectionError):

@@ -15,11 +15,12 @@ import gymnasium as gym
 from gym_fork.system.isolation import IsolationConfig, enter_sandbox
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
+from gym_fork.transport.control import send_message
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import Worker
 
-# Fds handed to a new sandbox besides the slab: channel, side socket, stdout, stderr.
-FDS_PER_SANDBOX = 4
+# Fds handed to a new sandbox: its slab, channel, side socket, stdout, stderr.
+FDS_PER_SANDBOX = 5
 
 
 class ProcessWorker(Worker):
@@ -51,7 +52,9 @@ class ProcessWorker(Worker):
         self.isolation = achieved.report()
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "scratch": self.scratch}
+        # A scratch dir inside the tree's private /tmp is nothing the controller can reach.
+        on_host = not self.tree_isolation.tree.get("private_tmp")
+        return {**super().identity(), "scratch": self.scratch if on_host else None}
 
     def extra_handlers(self):
         return {P.FORK: self._guarded(self.fork)}
@@ -79,6 +82,25 @@ def run_as_sandbox(body: Callable[[], None]) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def send_with_pidfds(sock: socket.socket, message: dict, pids: list[int]) -> None:
+    """Send ``message`` with a pidfd of each of ``pids`` (the controller learns their
+    pids in its own namespace from them); ``message["pidfds"]`` says which came (a
+    process already reaped has none)."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            fds.append(-1)
+    try:
+        sent = [fd for fd in fds if fd >= 0]
+        send_message(sock, {**message, "pidfds": [fd >= 0 for fd in fds]}, fds=tuple(sent))
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 def redirect_output(out_fd: int, err_fd: int) -> None:
