@@ -14,6 +14,7 @@ from tests.helpers import (
     gym_fork_cgroups,
     gym_fork_scratch_dirs,
     gym_fork_shm_files,
+    marked_processes,
     open_fds,
     wait_until,
 )
@@ -54,12 +55,16 @@ def no_leaks(request):
         return
     gc.collect()
     procs_before, fds_before, shm_before = descendants(), open_fds(), gym_fork_shm_files()
+    marked_before = marked_processes()
     scratch_before = gym_fork_scratch_dirs()
     cgroups_before = gym_fork_cgroups()
     yield
     gc.collect()
     assert wait_until(lambda: descendants() <= procs_before), (
         f"leaked processes: {descendants() - procs_before}"
+    )
+    assert wait_until(lambda: marked_processes() <= marked_before), (
+        f"leaked sandbox processes (found by marker): {marked_processes() - marked_before}"
     )
     assert wait_until(lambda: open_fds() <= fds_before), f"leaked fds: {open_fds() - fds_before}"
     assert gym_fork_shm_files() <= shm_before

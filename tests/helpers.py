@@ -153,6 +153,39 @@ def descendants(pid: int | None = None) -> set[int]:
     return out
 
 
+SANDBOX_MARKER = "GYM_FORK_SANDBOX"
+
+
+def marked_processes(controller: int | None = None) -> set[int]:
+    """Live processes (in this pid namespace) started by the sandboxes of ``controller``
+    (default: this process), wherever they went: every warm parent has
+    GYM_FORK_SANDBOX=<controller pid> in its environment, and everything it starts
+    inherits it (a reparented daemon is no descendant of the controller any more)."""
+    needle = f"{SANDBOX_MARKER}={os.getpid() if controller is None else controller}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue  # gone, or a zombie
+        if b"\0" + needle + b"\0" in b"\0" + environ:
+            found.add(int(entry))
+    return found
+
+
+def kill_marked(controller: int | None = None) -> None:
+    """SIGKILL what :func:`marked_processes` finds (cleanup after a failed test)."""
+    import contextlib
+    import signal
+
+    for pid in marked_processes(controller):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def open_fds() -> set[int]:
     """Open fds, without the microVM boot template (a deliberate per-process cache)."""
     fds = set()
