@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
+from gym_fork import progress
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import CloneOrder, WorkerHandle
@@ -120,8 +121,13 @@ def clone_sandboxes(
         branch.open_slabs(spaces, obs_in_slab, counts=[1] * config.num_envs)
         observations = _copy_rows(source, source_spaces, source_observations, branch, plan)
         branch.attach_arg = dict(source.attach_arg, num_envs=config.num_envs)
-        branch.pool.workers = _fork_workers(source, branch, plan)
-        branch.receive_hellos(branch.pool.workers)
+        with progress.task(
+            f"fork {plan.branch_id!r}: {config.num_envs} clones",
+            quiet=config.num_envs < 32,
+            delay=0.5,
+        ):
+            branch.pool.workers = _fork_workers(source, branch, plan)
+            branch.receive_hellos(branch.pool.workers)
     except BaseException:
         branch.teardown(terminate=True)
         raise
