@@ -92,6 +92,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # What this process (and so every process forked from it) has already given up.
 _seccomp_installed = 0
 _dropped = False
+_prepared: tuple[object, int] | None = None  # built once, in the warm parent
 
 
 class ConfinementError(OSError):
@@ -142,14 +143,14 @@ def forbid_tracing() -> None:
     linux.prctl(_PR_SET_DUMPABLE, 0)
 
 
-def install_seccomp() -> int:
-    """Install the filter (inherited by every process forked from here, and never
-    removed); returns how many system calls it refuses. Needs no_new_privs.
+def prepare_seccomp() -> tuple[object, int]:
+    """Build the filter (not loaded): call once in the warm parent, so that each sandbox
+    forked from it only loads it. Returns (filter, number of system calls refused).
 
     Raises ConfinementError naming the reason when libseccomp cannot be used."""
-    global _seccomp_installed
-    if _seccomp_installed:
-        return _seccomp_installed  # inherited from the sandbox this one was forked from
+    global _prepared
+    if _prepared is not None:
+        return _prepared
     try:
         import pyseccomp as seccomp
     except (ImportError, RuntimeError, OSError) as exc:
@@ -174,6 +175,22 @@ def install_seccomp() -> int:
             )
         flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
         refused += 2
+    except OSError as exc:
+        raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc
+    _prepared = (flt, refused)
+    return _prepared
+
+
+def install_seccomp() -> int:
+    """Load the filter into this process (inherited by every process forked from here,
+    and never removed); returns how many system calls it refuses. Needs no_new_privs.
+
+    Raises ConfinementError naming the reason when it cannot be loaded."""
+    global _seccomp_installed
+    if _seccomp_installed:
+        return _seccomp_installed  # inherited from the sandbox this one was forked from
+    flt, refused = prepare_seccomp()
+    try:
         flt.load()
     except OSError as exc:
         raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc

@@ -37,7 +37,7 @@ from gym_fork.hosts.process.sandbox import (
     send_with_pidfds,
     serve,
 )
-from gym_fork.system import cgroups, linux
+from gym_fork.system import cgroups, confine, linux
 from gym_fork.system.isolation import (
     Isolation,
     IsolationConfig,
@@ -266,6 +266,9 @@ def main() -> None:
         _start_tree_init(sock, controller, tree)
     else:
         linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+    if config.confine:
+        with contextlib.suppress(OSError):  # a sandbox reports the reason itself
+            confine.prepare_seccomp()
     parent = WarmParent(sock, config, tree, controller)
     try:
         try:
