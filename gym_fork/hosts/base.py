@@ -27,7 +27,7 @@ from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.linux import ProcessWatch
-from gym_fork.system.scratch import remove_scratch
+from gym_fork.system.scratch import is_scratch_dir, remove_scratch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 
 HOST_KINDS = ("process", "microvm", "inline")
@@ -121,7 +121,7 @@ class WorkerHandle:
         Its scratch directory is removed too, when it is a host path (inside a
         namespaced tree the warm parent removes it)."""
         scratch = self.info.get("scratch")
-        if scratch and not scratch.startswith("/proc/"):
+        if is_scratch_dir(scratch):  # a sandbox's word: only ever a gym_fork scratch dir
             remove_scratch(scratch)
         close = getattr(self.host_data, "close", None)
         if close is not None:

@@ -33,6 +33,21 @@ def remove_scratch(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def is_scratch_dir(path: object) -> bool:
+    """True only for a real scratch directory of gym_fork's (a path a sandbox reports is
+    not trusted: anything else is never deleted)."""
+    if not isinstance(path, str) or not path:
+        return False
+    real = os.path.realpath(path)
+    base = os.path.realpath(base_dir())
+    return (
+        os.path.dirname(real) == base
+        and os.path.basename(real).startswith("gym_fork-scratch-")
+        and os.path.isdir(real)
+        and not os.path.islink(path)
+    )
+
+
 def remove_sandbox_scratch(warm_parent: int, pid: int) -> None:
     """Remove the scratch dir of one (dead) sandbox of this warm parent."""
     for path in glob.glob(os.path.join(base_dir(), f"gym_fork-scratch-{warm_parent}-{pid}-*")):

@@ -160,9 +160,8 @@ def smaps_rollup(pid: int) -> dict[str, int]:
 
 def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> None:
     """Warn once about layers the host could not give; not about the caller's choices
-    (network=True, private_tmp=False, namespaces=False, host='inline') or the by-design
-    pid layer."""
-    chosen = {"pid"}
+    (network=True, private_tmp=False, namespaces=False, host='inline')."""
+    chosen = set()
     if config.isolation.network:
         chosen.add("net")
     if not config.isolation.private_tmp:
