@@ -99,21 +99,29 @@ def worker_exception(
     return exc
 
 
+def _record_index(record: Any) -> int:
+    index = record.get("index") if isinstance(record, dict) else None
+    return index if type(index) is int else -1
+
+
 def errors_exception(
     records: list[Any], *, building: bool = False, trusted: bool = True
 ) -> BaseException:
     """One exception for a call's error records: the one of the highest sub-env index
     (as AsyncVectorEnv raises the last), every record logged with its traceback."""
-    ordered = sorted(records, key=lambda r: r.get("index", 0) if isinstance(r, dict) else 0)
+    ordered = sorted(records, key=_record_index)
     exc: BaseException | None = None
     for record in ordered:
         exc = worker_exception(record, building=building, trusted=trusted)
         if isinstance(record, dict):
+            # AsyncVectorEnv's three-part log (error, traceback, last line), except that
+            # its "Worker-N - Shutting it down" would be false here: nothing is shut down.
             logger.error(
                 f"sub-env {record.get('index')} raised {_text(record.get('type'), 200)}: "
-                f"{_text(record.get('message'), 2000)}"
+                f"{_text(record.get('message'), 2000)} (its sandbox keeps serving)"
             )
-    logger.error("Raising the last sub-env's exception in the controller.")
+            logger.error(_text(record.get("traceback")))
+    logger.error("Raising the last exception back to the main process.")
     return exc
 
 
