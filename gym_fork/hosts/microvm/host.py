@@ -119,27 +119,37 @@ _BOOT_TEMPLATES: dict[MachineConfig, BranchPoint] = {}
 def boot_template(config: MachineConfig, timeout: float) -> tuple[BranchPoint, float]:
     """The frozen, freshly booted guest for ``config`` (kernel up, agent imported and
     waiting for its env_fns), booted once per controller process; and the seconds this
-    call spent booting it (0 when it was there already). Its memfds are named
-    ``gym_fork-vm-boot-*`` and live until :func:`release_boot_templates`."""
+    call spent making it (0 when it was there already). A boot is kept on disk too
+    (:mod:`.template_cache`), so a new process loads it instead of booting. Its memfds
+    are named ``gym_fork-vm-boot-*`` and live until :func:`release_boot_templates`."""
     with _BOOT_LOCK:
         point = _BOOT_TEMPLATES.get(config)
         if point is not None and point.ram_fd >= 0:
             return point, 0.0
         started = time.perf_counter()
         from gym_fork import progress
+        from gym_fork.hosts.microvm import template_cache
 
-        with progress.task(f"booting the microVM guest ({config.accel}, once)", delay=0.5):
-            point = _boot(config, timeout)
+        point = template_cache.load(config)
+        if point is None:
+            with progress.task(f"booting the microVM guest ({config.accel}, once)", delay=0.5):
+                point = _boot(config, timeout)
+            template_cache.store(config, point)
         _BOOT_TEMPLATES[config] = point
         return point, time.perf_counter() - started
 
 
-def release_boot_templates() -> None:
-    """Free the boot templates of this process (the next microVM host boots again)."""
+def release_boot_templates(*, disk: bool = False) -> None:
+    """Free the boot templates of this process (the next microVM host loads or boots
+    again); with ``disk``, also remove every boot template kept on disk."""
     with _BOOT_LOCK:
         for point in _BOOT_TEMPLATES.values():
             point.close()
         _BOOT_TEMPLATES.clear()
+        if disk:
+            from gym_fork.hosts.microvm import template_cache
+
+            template_cache.clear()
 
 
 def _start_slabless(
