@@ -3,15 +3,15 @@
 Two levels, chosen so that the fork path stays fast:
 
 - The **tree** (the warm parent and every sandbox it or its sandboxes fork) gets, once:
-  a mount namespace whose mounts do not propagate to the host, private tmpfs mounts on
-  /tmp and /dev/shm for the warm parent, a UTS namespace, and unless ``network=True`` an
-  empty network namespace (no interface up, not even loopback).
-- Each **sandbox** gets, at birth: its own mount namespace with its own tmpfs on /tmp and
-  on /dev/shm, filled with a copy of its source's (the warm parent's, or the running
-  sandbox's it was forked from: files are part of the state a fork continues from), its
-  own IPC namespace (SysV IPC, POSIX message queues), no_new_privs, and the limits. A
-  sandbox's tmpfs lives exactly as long as its mount namespace: nothing to clean up,
-  even after a SIGKILL.
+  a mount namespace whose mounts do not propagate to the host, a private /tmp (an
+  overlay: the host's /tmp stays readable, as the drop-in needs, and writes land in a
+  tmpfs layer of the tree's own) and an empty /dev/shm, a UTS namespace, and unless
+  ``network=True`` an empty network namespace (no interface up, not even loopback).
+- Each **sandbox** gets, at birth: its own mount namespace with its own overlay on /tmp
+  (over the warm parent's, so what the warm parent prepared there is part of the state
+  it starts from) and its own /dev/shm, its own IPC namespace (SysV IPC, POSIX message
+  queues), no_new_privs, and the limits. Its layers live exactly as long as its mount
+  namespace: nothing to clean up, even after a SIGKILL.
 
 - The tree also gets a **pid namespace** whose init (pid 1) is the warm parent: the
   sandboxes see only their tree in a /proc of their own, orphans (clones, daemons of an
@@ -21,7 +21,8 @@ Two levels, chosen so that the fork path stays fast:
   dumpable, and a seccomp filter. Clones inherit that confinement from the sandbox they
   are forked from, so they cannot make namespaces of their own: a clone shares its
   source's mount and IPC namespaces and gets a private TMPDIR (a copy of its source's
-  temp files) instead.
+  own /tmp writes) instead: what it writes through ``tempfile``/TMPDIR is its own, what
+  it writes to a literal /tmp path its source sees (reported under ``missing``).
 
 What is not isolated is reported, never assumed: see :func:`Isolation.report`.
 """
@@ -65,7 +66,7 @@ class IsolationConfig:
 
     namespaces: bool = True
     network: bool = False
-    private_tmp: bool = False
+    private_tmp: bool = True
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     confine: bool = True  # drop capabilities and install the seccomp filter
 
@@ -88,6 +89,15 @@ class Isolation:
         out = asdict(self)
         del out["tree_id"]
         return out
+
+
+# In a sandbox with a private /tmp overlay: the directory holding only its own writes.
+_PRIVATE_WRITES: str | None = None
+
+
+def _remember_private_writes(path: str) -> None:
+    global _PRIVATE_WRITES
+    _PRIVATE_WRITES = path
 
 
 # -- tree level (warm parent) --------------------------------------------------------
@@ -127,17 +137,17 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
         achieved.missing["pid"] = f"pid namespace: {exc}"
     if not config.private_tmp:
         achieved.missing["private_tmp"] = (
-            "private_tmp=False (the default): /tmp and /dev/shm are the host's"
+            "private_tmp=False (the caller's choice): /tmp and /dev/shm are the host's"
         )
         return achieved
     try:
-        for target in ("/tmp", "/dev/shm"):
-            kept = _keep_needed(target)
-            ns.mount("tmpfs", target, "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
-            _reattach(kept)
+        # /tmp: the host's files stay readable (the drop-in), writes land in the tree's
+        # own layer. /dev/shm: an empty tmpfs (POSIX shared memory is not shared out).
+        os.close(ns.overlay_private_layer("/tmp"))
+        ns.mount("tmpfs", "/dev/shm", "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
         achieved.tree["private_tmp"] = True
     except OSError as exc:
-        achieved.missing["private_tmp"] = f"tmpfs on /tmp failed ({exc.strerror})"
+        achieved.missing["private_tmp"] = f"overlay on /tmp failed ({exc.strerror})"
     return achieved
 
 
@@ -176,17 +186,17 @@ def enter_sandbox(
         if config.namespaces and tree.tree.get("mount"):
             achieved.missing["ipc"] = why
         if copy_from is None and tree.tree.get("private_tmp"):
-            copy_from = tempfile.gettempdir()
+            # the source's own writes, not the whole /tmp (its lower layer is the host's)
+            copy_from = _PRIVATE_WRITES or tempfile.gettempdir()
     elif tree.tree.get("private_tmp"):
         try:
             ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
             achieved.sandbox.update(mount=True, ipc=True)
-            for target in ("/tmp", "/dev/shm"):
-                kept = _keep_needed(target)
-                mount_fd = ns.new_tmpfs()
-                _copy_tree(target, f"/proc/self/fd/{mount_fd}", skip=[p for p, _ in kept])
-                ns.attach_mount(mount_fd, target)
-                _reattach(kept)
+            # Kept open: clones of this sandbox start their TMPDIR from its writes.
+            _remember_private_writes(f"/proc/self/fd/{ns.overlay_private_layer('/tmp')}/upper")
+            mount_fd = ns.new_tmpfs()
+            _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
+            ns.attach_mount(mount_fd, "/dev/shm")
             achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
         except OSError as exc:
             achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
@@ -256,27 +266,6 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
         achieved.sandbox["seccomp"] = f"on ({refused} syscalls refused)"
     except OSError as exc:
         achieved.missing["seccomp"] = str(exc)
-
-
-def _keep_needed(root: str) -> list[tuple[str, int]]:
-    """Top directories under ``root`` that hold what the sandbox runs (sys.path entries,
-    the interpreter, the working directory), each cloned (open_tree) so that it can be
-    re-attached over the private tmpfs: a project or venv under /tmp stays visible."""
-    import sys
-
-    prefix = root.rstrip("/") + "/"
-    tops = set()
-    for path in (*sys.path, sys.prefix, sys.executable, os.getcwd()):
-        path = os.path.realpath(path) if path else ""
-        if path.startswith(prefix):
-            tops.add(prefix + path[len(prefix) :].split("/")[0])
-    return [(top, ns.clone_tree(top)) for top in sorted(tops) if os.path.isdir(top)]
-
-
-def _reattach(kept: list[tuple[str, int]]) -> None:
-    for path, fd in kept:
-        os.makedirs(path, exist_ok=True)
-        ns.attach_mount(fd, path)
 
 
 def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:

@@ -103,15 +103,25 @@ def attach_mount(mount_fd: int, target: str) -> None:
         os.close(mount_fd)
 
 
-_SYS_OPEN_TREE = 428
-_OPEN_TREE_CLONE = 1
-_AT_RECURSIVE = 0x8000
-
-
-def clone_tree(path: str) -> int:
-    """A detached copy of the mount tree at ``path`` (open_tree), to re-attach with
-    :func:`attach_mount` after ``path``'s parent has been covered."""
-    fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, path.encode(), _OPEN_TREE_CLONE | _AT_RECURSIVE)
-    if fd < 0:
-        _check(-1, f"open_tree {path}")
-    return fd
+def overlay_private_layer(target: str) -> int:
+    """Cover ``target`` with an overlay whose lower layer is what ``target`` shows now and
+    whose upper layer (the only place writes go) is a fresh, detached tmpfs. Returns an fd
+    of that tmpfs (its ``upper`` directory holds exactly the private writes); the caller
+    keeps it open to read them, or closes it."""
+    mount_fd = new_tmpfs()
+    try:
+        layer = f"/proc/self/fd/{mount_fd}"
+        os.mkdir(f"{layer}/upper", 0o1777)
+        os.mkdir(f"{layer}/work", 0o700)
+        os.chmod(f"{layer}/upper", 0o1777)  # /tmp's mode, whatever the umask
+        mount(
+            "overlay",
+            target,
+            "overlay",
+            MS_NOSUID | MS_NODEV,
+            f"lowerdir={target},upperdir={layer}/upper,workdir={layer}/work",
+        )
+    except BaseException:
+        os.close(mount_fd)
+        raise
+    return mount_fd

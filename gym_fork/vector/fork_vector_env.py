@@ -78,10 +78,12 @@ class ForkVectorEnv(VectorEnv):
             as AsyncVectorEnv). ``reset()`` replaces them. It bounds construction too:
             building the sub-envs, and the warm parent's start and ``from_parent``
             preparation (given 10 s more for the interpreter to start and import).
-        private_tmp: give each sandbox its own /tmp and /dev/shm (default False, as with
-            AsyncVectorEnv). When True, files an env writes there are invisible to the host
-            and to other sandboxes and gone when the sandbox ends, and the host's /tmp is
-            hidden (refused, and reported, when the code or cwd lives under /tmp).
+        private_tmp: give each sandbox its own writable /tmp and an empty /dev/shm
+            (default True). The host's /tmp stays readable (an overlay), but files an env
+            writes there are invisible to the host and to other sandboxes and gone when
+            the sandbox ends. A branch's clones write through TMPDIR into their own
+            copy; a literal /tmp path they write is seen by their source (reported in
+            ``isolation["missing"]``). ``False``: the host's /tmp, as AsyncVectorEnv.
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
@@ -133,7 +135,7 @@ class ForkVectorEnv(VectorEnv):
         network: bool = False,
         limits: SandboxLimits | None = None,
         namespaces: bool = True,
-        private_tmp: bool = False,
+        private_tmp: bool = True,
         timeout: float | None = None,
         gpu_fork_policy: str = "refuse",
         host: str | None = None,

@@ -166,8 +166,9 @@ def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> N
         chosen.add("net")
     if not config.isolation.private_tmp:
         chosen.add("private_tmp")
-    if not config.isolation.namespaces:
-        chosen.add("namespaces")
+    if not config.isolation.namespaces:  # every layer made of namespaces is declined
+        chosen |= {"namespaces", "mount", "uts", "net", "pid", "ipc", "proc", "private_tmp"}
+        chosen |= {"sandbox_mount"}
     if config.host == "inline":
         chosen.add("process")
     missing = {k: v for k, v in isolation.get("missing", {}).items() if k not in chosen}

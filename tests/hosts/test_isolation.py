@@ -89,9 +89,27 @@ def test_tmp_and_dev_shm_are_private_to_each_sandbox():
         assert report["namespaces"]["pid"] and "pid" not in report["missing"]
     finally:
         envs.close()
-    envs = sandboxes()  # the default: the host's /tmp, as AsyncVectorEnv
+    envs = sandboxes(private_tmp=False)  # the caller's choice: the host's /tmp, as Async
     try:
         assert not envs.isolation["private_tmp"] and "private_tmp" in envs.isolation["missing"]
+    finally:
+        envs.close()
+
+
+def test_tmp_is_private_by_default_and_the_hosts_files_stay_readable(tmp_path):
+    host_file = tmp_path / "dataset.txt"  # under /tmp: pytest's tmp_path
+    host_file.write_text("from the host")
+    envs = sandboxes()
+    try:
+        assert envs.isolation["private_tmp"]
+        assert envs.call("read_file", str(host_file)) == ("from the host",) * 2
+        written = str(tmp_path / "written-by-sub-env-0")
+        envs.set_attr("marker", ["write", "initial"])
+        envs.call("write_tmp_if_marked", written, "private")
+        assert envs.call("read_file", written) == ("private", None)  # not the sibling's
+        assert not os.path.exists(written)  # nor the host's
+        envs.call("write_tmp_if_marked", str(host_file), "changed in the sandbox")
+        assert host_file.read_text() == "from the host"  # a copy-up, not the host's file
     finally:
         envs.close()
 
@@ -135,11 +153,11 @@ def test_missing_layers_are_reported_and_only_the_unavailable_ones_warned_once(m
         envs.close()
 
     # A host that cannot give a layer the caller wants: warned once, naming it.
-    envs = sandboxes(1)
+    envs = sandboxes(1, private_tmp=False)
     try:
         from gym_fork.vector.provenance import warn_missing_isolation
 
-        fake = {"missing": {"private_tmp": "the caller's default", "mount": "unshare failed"}}
+        fake = {"missing": {"private_tmp": "the caller's choice", "mount": "unshare failed"}}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             warn_missing_isolation(envs.config, fake)

@@ -230,6 +230,7 @@ def test_from_parent_prepares_once_and_resets_from_fresh_clones(tmp_path):
         warmup=warm,
         ready_check=lambda env: env.warm,
         lineage_log=tmp_path / "lineage.jsonl",
+        private_tmp=False,  # the warm parent's files must reach this test's tmp_path
     )
     try:
         built = [f for f in os.listdir(log_dir) if f.startswith("built-")]
