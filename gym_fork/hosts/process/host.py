@@ -140,6 +140,22 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
+def _in_batches(items: Sequence[Any], slab_fds: Sequence[int], make) -> list[WorkerHandle]:
+    """``make(batch, fds)`` per SPAWN_BATCH items (the fd limit of one message); if a
+    batch fails, the sandboxes of the earlier ones are killed and released."""
+    handles: list[WorkerHandle] = []
+    try:
+        for start in range(0, len(items), SPAWN_BATCH):
+            end = start + SPAWN_BATCH
+            handles += make(list(items[start:end]), list(slab_fds[start:end]))
+    except BaseException:
+        for handle in handles:
+            handle.kill()
+            handle.release()
+        raise
+    return handles
+
+
 def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     """Run ``exchange`` (send the ends' fds, wait for the answer), then close the
     controller's copies of the sandboxes' ends; if it fails, close everything."""
@@ -231,18 +247,9 @@ class ProcessHost(SharedByBranches):
         ``attach`` (the pickled attach argument) makes the workers attach to the slab
         at once, for replacements whose spaces the controller already knows.
         """
-        handles: list[WorkerHandle] = []
-        try:
-            for start in range(0, len(specs), SPAWN_BATCH):
-                batch = list(specs[start : start + SPAWN_BATCH])
-                fds = list(slab_fds[start : start + SPAWN_BATCH])
-                handles += self._spawn_batch(batch, fds, ring_capacity, attach)
-        except BaseException:
-            for handle in handles:
-                handle.kill()
-                handle.release()
-            raise
-        return handles
+        return _in_batches(
+            specs, slab_fds, lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach)
+        )
 
     def _spawn_batch(
         self,
@@ -299,18 +306,11 @@ class ProcessHost(SharedByBranches):
     ) -> list[WorkerHandle]:
         """Ask the worker ``source`` to fork its sub-envs (SPAWN_BATCH per request): the
         clones' channels, sockets and output pipes travel on its side socket."""
-        handles: list[WorkerHandle] = []
-        try:
-            for start in range(0, len(orders), SPAWN_BATCH):
-                batch = list(orders[start : start + SPAWN_BATCH])
-                fds = list(slab_fds[start : start + SPAWN_BATCH])
-                handles += self._fork_batch(source, batch, num_envs, fds, ring_capacity, ask)
-        except BaseException:
-            for handle in handles:
-                handle.kill()
-                handle.release()
-            raise
-        return handles
+        return _in_batches(
+            orders,
+            slab_fds,
+            lambda batch, fds: self._fork_batch(source, batch, num_envs, fds, ring_capacity, ask),
+        )
 
     def _fork_batch(self, source, orders, num_envs, slab_fds, ring_capacity, ask):
         ends = [SandboxEnds(order.spec, ring_capacity, self.output) for order in orders]
