@@ -36,7 +36,8 @@ from .branching import clone_sandboxes, plan_fork
 from .config import VectorConfig, auto_envs_per_worker
 from .faults import WaitTimeout
 from .lifecycle import Sandboxes
-from .spaces import ActionWriter, VectorSpaces
+from .requests import reset_mask, seeds_per_env, values_per_env
+from .spaces import ActionWriter, VectorSpaces, check_attached
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
@@ -239,23 +240,7 @@ class ForkVectorEnv(VectorEnv):
         self.observations = create_empty_array(single, n=self.num_envs, fn=np.zeros)
         self._actions = ActionWriter(self.spaces, slabs, self.config.check_actions)
         checks = self.sandboxes.attach_all(self.spaces, self._obs_in_slab)
-        if not all(c[0] for c in checks):
-            if self.observation_mode == "same":
-                raise RuntimeError(
-                    "AsyncVectorEnv(..., observation_mode='same') however some of the "
-                    "sub-environments observation spaces are not equivalent. If this is "
-                    "intentional, use `observation_mode='different'` instead."
-                )
-            raise RuntimeError(
-                "AsyncVectorEnv(..., observation_mode='different' or custom space) however the "
-                "sub-environment's observation spaces do not share a common shape and dtype."
-            )
-        if not all(c[1] for c in checks):
-            raise RuntimeError(
-                f"Some environments have an action space different from "
-                f"`{self.single_action_space}`. In order to batch actions, the action spaces "
-                "from all environments must be equal."
-            )
+        check_attached(checks, self.observation_mode, self.single_action_space)
 
     def _adopt_spaces(self, spaces: VectorSpaces) -> None:
         self.spaces = spaces
@@ -366,17 +351,9 @@ class ForkVectorEnv(VectorEnv):
     ) -> None:
         """Send the reset requests; collect them with :meth:`reset_wait`."""
         self._assert_is_running()
-        if seed is None:
-            seed = [None for _ in range(self.num_envs)]
-        elif isinstance(seed, int):
-            seed = [seed + i for i in range(self.num_envs)]
-        if len(seed) != self.num_envs:
-            raise ValueError(
-                "If seeds are passed as a list the length must match "
-                f"num_envs={self.num_envs} but got length={len(seed)}."
-            )
+        seed = seeds_per_env(seed, self.num_envs)
         self._assert_idle("reset_async")
-        options, mask = _reset_mask(options, self.num_envs)
+        options, mask = reset_mask(options, self.num_envs)
         self.sandboxes.replace_dead()
         if self.config.reset_mode == "clone":
             self.sandboxes.reset_by_clone(mask)
@@ -494,13 +471,7 @@ class ForkVectorEnv(VectorEnv):
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
         """Set an attribute of every sub-env (one value each, or the same for all)."""
         self._assert_is_running()
-        if not isinstance(values, list | tuple):
-            values = [values for _ in range(self.num_envs)]
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of "
-                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
-            )
+        values = values_per_env(values, self.num_envs)
         self._assert_idle("set_attr", ".")
         pool = self.sandboxes.pool
         pool.send_each(P.SETATTR, [[name, [values[i] for i in w.indices]] for w in pool.workers])
@@ -652,28 +623,3 @@ class ForkVectorEnv(VectorEnv):
     def __repr__(self) -> str:
         """Same form as AsyncVectorEnv's repr."""
         return VectorEnv.__repr__(self)
-
-
-def _reset_mask(options: dict[str, Any] | None, num_envs: int):
-    """(options without ``reset_mask``, the mask), checked as AsyncVectorEnv checks it."""
-    mask = np.ones(num_envs, dtype=np.bool_)
-    if options is None or "reset_mask" not in options:
-        return options, mask
-    options = dict(options)
-    reset_mask = options.pop("reset_mask")
-    if not isinstance(reset_mask, np.ndarray):
-        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}")
-    if reset_mask.shape != (num_envs,):
-        raise ValueError(
-            f"`options['reset_mask']` must have shape `({num_envs},)`, got {reset_mask.shape}"
-        )
-    if reset_mask.dtype != np.bool_:
-        raise TypeError(
-            f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}"
-        )
-    if not np.any(reset_mask):
-        raise ValueError(
-            "`options['reset_mask']` must contain a boolean array with at least one "
-            f"True value, got reset_mask={reset_mask}"
-        )
-    return options, reset_mask

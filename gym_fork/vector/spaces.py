@@ -180,3 +180,25 @@ class ActionWriter:
                 if not single.contains(action):
                     raise BadActionError(f"action for sub-env {i} is outside {single}: {action!r}")
         return per_env
+
+
+def check_attached(checks: list[list[bool]], observation_mode: Any, action_space: Space) -> None:
+    """Raise AsyncVectorEnv's errors when the sub-envs' own spaces (as the workers checked
+    them at ATTACH: [same observation space, same action space] each) do not batch."""
+    if not all(c[0] for c in checks):
+        if observation_mode == "same":
+            raise RuntimeError(
+                "AsyncVectorEnv(..., observation_mode='same') however some of the "
+                "sub-environments observation spaces are not equivalent. If this is "
+                "intentional, use `observation_mode='different'` instead."
+            )
+        raise RuntimeError(
+            "AsyncVectorEnv(..., observation_mode='different' or custom space) however the "
+            "sub-environment's observation spaces do not share a common shape and dtype."
+        )
+    if not all(c[1] for c in checks):
+        raise RuntimeError(
+            f"Some environments have an action space different from "
+            f"`{action_space}`. In order to batch actions, the action spaces "
+            "from all environments must be equal."
+        )
