@@ -167,3 +167,41 @@ def test_from_parent_with_128_clones_builds_resets_and_steps():
         assert rewards.sum() == 128
     finally:
         envs.close()
+
+
+class DiesMidReplyEnv(SpaceEnv):
+    """Its step returns a 128 MB info (a reply of ~500 fragments) and the sandbox is
+    SIGKILLed while that reply is being sent."""
+
+    def __init__(self):
+        super().__init__(spaces.Box(-1, 1, (2,)), spaces.Discrete(2), max_len=50, trunc_prob=0)
+        self.armed = False
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.armed:
+            import os
+            import signal
+            import threading
+
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            info = {"blob": b"x" * (128 << 20)}
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_sandbox_dying_in_the_middle_of_a_reply_is_a_crash_with_its_status_at_once():
+    from gym_fork import SubEnvCrashed
+
+    envs = ForkVectorEnv([DiesMidReplyEnv, DiesMidReplyEnv], envs_per_worker=1)
+    try:
+        envs.reset(seed=0)
+        envs.set_attr("armed", [True, False])
+        started = time.perf_counter()
+        with pytest.raises(SubEnvCrashed) as info:
+            envs.step(np.array([0, 1]))
+        assert time.perf_counter() - started < 5.0  # not the 30 s fragment timeout
+        assert info.value.exitcode == -9 and info.value.indices == [0]
+        envs.reset(seed=1)  # replaced
+        assert envs.step(np.array([0, 1]))[0].shape == (2, 2)
+    finally:
+        envs.close()
