@@ -119,21 +119,13 @@ def test_fork_of_a_sandbox_listed_by_nvml_is_refused_with_the_evidence(fake_nvml
 
 
 class _ListsTheWarmParent(FakeNVML):
-    """Lists every process whose parent is the test process: the warm parent."""
+    """Lists every process below the test process: the warm parent among them (it is a
+    grandchild: pid 1 of its tree's pid namespace, below the process that made it)."""
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
-        import os
+        from tests.helpers import descendants
 
-        kids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                            kids.append(int(entry))
-                except OSError:
-                    pass
-        return [types.SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in kids]
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in descendants()]
 
 
 def test_a_warm_parent_holding_cuda_is_refused_or_replaced_by_a_clean_launch(monkeypatch, tmp_path):
