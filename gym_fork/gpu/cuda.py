@@ -40,7 +40,12 @@ def host_pid(pid: int, proc: str = "/proc") -> int:
 
 
 def cuda_evidence(pid: int, report: GpuReport | None, proc: str = "/proc") -> list[str]:
-    """Reasons to believe ``pid`` holds a CUDA context (empty: none found)."""
+    """Reasons to believe ``pid`` holds a CUDA context (empty: none found).
+
+    A context shows as an NVML compute process or an open /dev/nvidia* device. A mapped
+    libcuda alone is not one (``import torch`` maps it without creating a context, seen
+    on an H200: a warm parent that pre-imports torch is safe to fork), so it is only
+    quoted next to real evidence."""
     evidence = []
     if report is not None and report.nvml:
         outer = host_pid(pid, proc)
@@ -53,9 +58,9 @@ def cuda_evidence(pid: int, report: GpuReport | None, proc: str = "/proc") -> li
     try:
         with open(f"{proc}/{pid}/maps") as f:
             libs = {line.split()[-1] for line in f if "libcuda.so" in line}
-        evidence += [f"maps the CUDA driver library {lib}" for lib in sorted(libs)]
+        mapped = [f"maps the CUDA driver library {lib}" for lib in sorted(libs)]
     except OSError:
-        pass
+        mapped = []
     try:
         fd_dir = f"{proc}/{pid}/fd"
         devices = set()
@@ -69,4 +74,4 @@ def cuda_evidence(pid: int, report: GpuReport | None, proc: str = "/proc") -> li
         evidence += [f"has {dev} open" for dev in sorted(devices)]
     except OSError:
         pass
-    return evidence
+    return evidence + mapped if evidence else []

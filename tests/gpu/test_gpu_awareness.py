@@ -94,6 +94,19 @@ def test_namespace_pids_are_mapped_to_host_pids_for_nvml(tmp_path, fake_nvml):
     assert any("libcuda.so" in e for e in evidence)
 
 
+def test_a_mapped_cuda_library_alone_is_not_a_context(tmp_path, fake_nvml):
+    # `import torch` maps libcuda without creating a context (seen on an H200): such a
+    # warm parent is safe to fork; an open /dev/nvidia* device is a context.
+    proc = tmp_path / "proc"
+    (proc / "9" / "fd").mkdir(parents=True)
+    (proc / "9" / "status").write_text("Name:\tpython\nNSpid:\t9\n")
+    (proc / "9" / "maps").write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libcuda.so.580.1\n")
+    assert cuda_evidence(9, probe(), str(proc)) == []
+    (proc / "9" / "fd" / "5").symlink_to("/dev/nvidiactl")
+    evidence = cuda_evidence(9, probe(), str(proc))
+    assert evidence[0] == "has /dev/nvidiactl open" and "libcuda.so" in evidence[1]
+
+
 def cartpole():
     return gym.make("CartPole-v1")
 
