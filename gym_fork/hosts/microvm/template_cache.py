@@ -358,9 +358,9 @@ def _measure(runs: int) -> None:
         for name in rows:
             if name.startswith("without"):
                 clear()
-            done = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
-            )
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"the measuring process failed:\n{done.stderr[-3000:]}")
             rows[name].append(float(done.stdout.strip().splitlines()[-1]))
     for name, values in rows.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
