@@ -42,7 +42,7 @@ def _probe_namespaces() -> Check:
         return Check(
             "namespaces",
             "ok",
-            detail + " (pid namespaces are not used: clones must outlive their source)",
+            detail + " (a pid namespace per tree, the warm parent its init)",
         )
     return Check(
         "namespaces",
