@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     lineage.add_argument("--last", type=int, metavar="N", help="only the last N trees")
     lineage.add_argument("--title", default="gym_fork lineage", help="title of the picture")
     image = sub.add_parser("image", help="microVM guest image and kernel")
-    image.add_argument("action", choices=["build", "kernel", "show"])
+    image.add_argument("action", choices=["build", "kernel", "show", "clear-cache"])
     image.add_argument("--force", action="store_true", help="rebuild even if cached")
     image.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     bench = sub.add_parser(
@@ -97,10 +97,15 @@ def _pictures(events: list[dict], source: str, args: argparse.Namespace) -> int:
 
 
 def _image(action: str, force: bool, quiet: bool = False) -> int:
-    """``gym-fork image build|kernel|show``: the microVM guest pieces."""
+    """``gym-fork image build|kernel|show|clear-cache``: the microVM guest pieces."""
     from gym_fork.hosts.microvm.image import ImageError, build_image
     from gym_fork.hosts.microvm.kernel import KernelNotFound, fetch_debian_kernel, find_kernel
 
+    if action == "clear-cache":
+        from gym_fork.hosts.microvm.template_cache import cache_dir, clear
+
+        print(f"removed {clear()} boot template file(s) from {cache_dir()}")
+        return 0
     try:
         if action == "kernel":
             kernel = fetch_debian_kernel(quiet=quiet)
