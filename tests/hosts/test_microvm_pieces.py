@@ -125,3 +125,24 @@ def test_the_image_digest_follows_the_files_but_not_their_byte_code(tmp_path):
     assert digest() == before
     (tree / "pkg" / "mod.py").write_text("x = 2  # changed\n")
     assert digest() != before
+
+
+def test_old_guest_images_are_pruned_keeping_the_newest_and_recent_ones(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from gym_fork.hosts.microvm import image
+
+    monkeypatch.setattr(image, "images_dir", lambda: tmp_path)
+    now = time.time()
+    ages = {"a": 5000, "b": 4000, "c": 3000, "d": 2000, "e": 1000, "fresh": 10}
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age, now - age))
+    (tmp_path / ".build-tmp").mkdir()
+    removed = image._prune_images(keep=tmp_path / "a")
+    assert sorted(p.name for p in removed) == ["b", "c"]  # fresh, e, d newest; a current
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".build-tmp", "a", "d", "e", "fresh"]
+    (tmp_path / "g").mkdir()  # beyond the newest three, but too recent to remove
+    assert image._prune_images(keep=tmp_path / "a") == []

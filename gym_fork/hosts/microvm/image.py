@@ -333,7 +333,32 @@ def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestI
         f"built guest image {digest}: {files} files, {meta['root_bytes'] >> 20} MiB "
         f"in {time.perf_counter() - started:.1f} s"
     )
+    _prune_images(keep=target)
     return _image(digest, target, kernel, python, meta)
+
+
+# Guest images kept in the cache (each ~1.5 GB; a new one is built whenever the code or
+# environment it packs changes). Older ones go, but never one touched in the last minutes
+# (another process may be about to start a VM from it; a running QEMU holds its files open).
+KEEP_IMAGES = 3
+PRUNE_AFTER_S = 600.0
+
+
+def _prune_images(keep: Path) -> list[Path]:
+    """Remove all but the KEEP_IMAGES newest images (``keep`` always stays)."""
+    try:
+        found = [p for p in images_dir().iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return []
+    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = []
+    now = time.time()
+    for path in found[KEEP_IMAGES:]:
+        if path == keep or now - path.stat().st_mtime < PRUNE_AFTER_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _image(digest: str, target: Path, kernel: Kernel, python: str, meta: dict) -> GuestImage:
