@@ -144,5 +144,9 @@ def test_old_guest_images_are_pruned_keeping_the_newest_and_recent_ones(tmp_path
     assert sorted(p.name for p in removed) == ["b", "c"]  # fresh, e, d newest; a current
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".build-tmp", "a", "d", "e", "fresh"]
-    (tmp_path / "g").mkdir()  # beyond the newest three, but too recent to remove
+    (tmp_path / "g").mkdir()  # a new image pushes d out; fresh (10 s old) stays
+    os.utime(tmp_path / "fresh", (now - 10, now - 5000 + 4990))
+    assert [p.name for p in image._prune_images(keep=tmp_path / "a")] == ["d"]
+    (tmp_path / "h").mkdir()  # e falls beyond the newest three, but is younger than this:
+    monkeypatch.setattr(image, "PRUNE_AFTER_S", 1500.0)
     assert image._prune_images(keep=tmp_path / "a") == []
