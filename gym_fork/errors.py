@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import functools
 import multiprocessing
 
 
@@ -124,3 +126,16 @@ class EncodeError(GymForkError, TypeError):
     """A value (an info entry, a call result) could not be encoded for the ring."""
 
     code = "encode"
+
+
+@functools.cache
+def like_builtin(base: type[GymForkError], type_name: str) -> type[GymForkError]:
+    """``base``, also an instance of the builtin exception a sandbox named (so that
+    ``except ValueError`` still works) without loading anything the sandbox sent."""
+    builtin = getattr(builtins, type_name, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        try:
+            return type(f"{base.__name__}[{type_name}]", (base, builtin), {})
+        except TypeError:  # a builtin whose layout cannot be mixed in
+            return base
+    return base

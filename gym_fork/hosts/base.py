@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import cloudpickle
 
-from gym_fork.errors import SandboxStartError
+from gym_fork.errors import SandboxStartError, like_builtin
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.linux import ProcessWatch
@@ -308,9 +308,10 @@ def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> No
             + str(reply.get("traceback", ""))
         )
         raise exc
-    raise SandboxStartError(
-        f"{what} could not prepare the env_fns: {str(reply.get('error'))[:2000]}\n"
-        f"{str(reply.get('traceback', ''))[:20000]}"
+    error = str(reply.get("error"))[:2000]
+    type_name = error.split(":", 1)[0] if ":" in error else ""
+    raise like_builtin(SandboxStartError, type_name)(
+        f"{what} could not prepare the env_fns: {error}\n{str(reply.get('traceback', ''))[:20000]}"
     )
 
 

@@ -184,7 +184,7 @@ def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
             mine.observations.write(0, theirs.observations.read(row))
     single = source_spaces.single_observation_space
     if branch.slabs.observation_layout is not None:
-        return create_empty_array(single, n=len(plan.sources), fn=np.zeros)
+        return branch.slabs.observations()
     rows = list(iterate(source_spaces.observation_space, source_observations))
     return concatenate(
         single,

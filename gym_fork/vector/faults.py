@@ -6,8 +6,6 @@ code, its last stderr lines) and raise what these functions build.
 
 from __future__ import annotations
 
-import builtins
-import functools
 import signal
 import time
 from typing import Any
@@ -15,7 +13,13 @@ from typing import Any
 import cloudpickle
 from gymnasium import logger
 
-from gym_fork.errors import SubEnvCrashed, SubEnvError, SubEnvTimeout, TransportError
+from gym_fork.errors import (
+    SubEnvCrashed,
+    SubEnvError,
+    SubEnvTimeout,
+    TransportError,
+    like_builtin,
+)
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
 
@@ -47,23 +51,6 @@ class WaitTimeout(Exception):
     """A wait reached its deadline (the caller turns it into the user's error)."""
 
 
-@functools.cache
-def _untrusted_error_type(type_name: str) -> type[SubEnvError]:
-    """SubEnvError, also an instance of the builtin exception the sandbox named (so that
-    ``except ValueError`` still works) without loading anything the sandbox sent."""
-    builtin = getattr(builtins, type_name, None)
-    if (
-        isinstance(builtin, type)
-        and issubclass(builtin, Exception)
-        and not issubclass(builtin, SubEnvError)
-    ):
-        try:
-            return type(f"SubEnvError[{type_name}]", (SubEnvError, builtin), {})
-        except TypeError:  # a builtin whose layout cannot be mixed in
-            return SubEnvError
-    return SubEnvError
-
-
 def _text(value: Any, limit: int = 64 * 1024) -> str:
     return value[:limit] if isinstance(value, str) else repr(value)[:limit]
 
@@ -90,7 +77,7 @@ def worker_exception(
         if trusted:
             exc = RuntimeError(f"{type_name}: {message}")
         else:
-            exc = _untrusted_error_type(type_name)(
+            exc = like_builtin(SubEnvError, type_name)(
                 f"{type_name}: {message}", index=index, type_name=type_name, traceback=trace
             )
     what = "while building" if building else "in"

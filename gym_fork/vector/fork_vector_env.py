@@ -214,6 +214,14 @@ class ForkVectorEnv(VectorEnv):
         self.max_concurrency = config.max_concurrency
         self.envs_per_worker = config.envs_per_worker
         self.timeout = config.timeout
+        self.ring_bytes = config.ring_bytes
+        self.check_actions = config.check_actions
+        self.reset_mode = config.reset_mode
+        self.host_kind = config.host
+        self.trusted = config.trusted
+        self.isolation_config = config.isolation
+        self.vm_memory_mb = config.vm_memory_mb
+        self.vm_slab_mb = config.vm_slab_mb
 
     def _start(self, hellos: list[dict[str, Any]]) -> None:
         """Spaces and metadata from the workers' HELLOs, then the slab and ATTACH."""

@@ -219,7 +219,11 @@ def test_max_concurrency_bounds_sub_envs_stepping_at_once(tmp_path, limit):
     path = tmp_path / "count"
     path.write_text("0 0")
     envs = ForkVectorEnv(
-        [CountingEnv(str(path))] * 4, envs_per_worker=1, max_concurrency=limit, lineage_log=False
+        [CountingEnv(str(path))] * 4,
+        envs_per_worker=1,
+        max_concurrency=limit,
+        lineage_log=False,
+        private_tmp=False,  # the sub-envs count in a file under this test's tmp_path
     )
     try:
         envs.reset(seed=0)
