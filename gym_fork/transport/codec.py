@@ -2,9 +2,10 @@
 
 msgpack carries dicts, lists, str, bytes, ints, floats, bools and None natively. Types
 it would silently change are tagged with ext types so that a value decodes to what was
-encoded: tuples stay tuples, numpy arrays and scalars keep dtype and shape (their bytes
-travel raw, not element by element). Anything else falls back to cloudpickle; a value
-that cannot be pickled either raises :class:`EncodeError` naming its type.
+encoded: tuples stay tuples, Graph values stay GraphInstances, numpy arrays and scalars
+keep dtype and shape (their bytes travel raw, not element by element). Anything else
+falls back to cloudpickle (which an untrusted peer's reader refuses); a value that cannot
+be pickled either raises :class:`EncodeError` naming its type.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import cloudpickle
 import msgpack
 import numpy as np
+from gymnasium.spaces import GraphInstance
 
 from gym_fork.errors import EncodeError
 
@@ -22,6 +24,7 @@ EXT_NDARRAY = 1
 EXT_TUPLE = 2
 EXT_NPSCALAR = 3
 EXT_PICKLE = 4
+EXT_GRAPH = 5
 
 _META = struct.Struct("<I")
 
@@ -29,6 +32,8 @@ _META = struct.Struct("<I")
 def _default(obj: Any) -> msgpack.ExtType:
     if type(obj) is tuple:
         return msgpack.ExtType(EXT_TUPLE, pack(list(obj)))
+    if type(obj) is GraphInstance:  # a Graph space's value: plain arrays, no pickle
+        return msgpack.ExtType(EXT_GRAPH, pack([obj.nodes, obj.edges, obj.edge_links]))
     if isinstance(obj, np.ndarray) and obj.dtype.hasobject is False:
         meta = msgpack.packb((obj.dtype.str, obj.shape))
         data = np.ascontiguousarray(obj).tobytes()
@@ -47,6 +52,8 @@ def _default(obj: Any) -> msgpack.ExtType:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TUPLE:
         return tuple(unpack(data))
+    if code == EXT_GRAPH:
+        return GraphInstance(*unpack(data, allow_pickle=False))
     if code == EXT_NDARRAY:
         (meta_len,) = _META.unpack_from(data)
         dtype, shape = msgpack.unpackb(data[4 : 4 + meta_len])

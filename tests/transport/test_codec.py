@@ -65,3 +65,13 @@ def test_arbitrary_objects_fall_back_to_pickle():
 def test_unpicklable_values_raise_a_clear_error():
     with pytest.raises(EncodeError, match="lock"):
         pack({"bad": threading.Lock()})
+
+
+def test_a_graph_value_travels_as_plain_arrays_not_a_pickle():
+    from gymnasium.spaces import GraphInstance
+
+    value = GraphInstance(np.ones((3, 2)), np.arange(2), np.array([[0, 1], [1, 2]]))
+    refused: list[int] = []
+    back = unpack(pack(value), allow_pickle=False, refused=refused)
+    assert refused == [] and type(back) is GraphInstance
+    assert all(np.array_equal(a, b) for a, b in zip(back, value, strict=True))
