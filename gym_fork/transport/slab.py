@@ -56,9 +56,6 @@ class _ArrayLeaf:
         row = self.array[index]
         return row.copy() if self.shape else row
 
-    def batch(self) -> Any:
-        return self.array
-
     def accepts(self, values: Any) -> bool:
         """True if ``values`` is already a batch of exactly this dtype and shape."""
         return (
@@ -78,14 +75,6 @@ class _ArrayLeaf:
         values = np.asarray(values)
         for part, start, end in zip(parts, bounds, bounds[1:], strict=False):
             np.copyto(part.array, values[start:end], casting="unsafe")
-
-    def write_batch(self, values: Any) -> None:
-        values = np.asarray(values)
-        if values.shape != self.array.shape:
-            raise ValueError(
-                f"expected a batch of shape {self.array.shape} for {self.space}, got {values.shape}"
-            )
-        np.copyto(self.array, values, casting="unsafe")
 
 
 class _TextLeaf:
@@ -130,13 +119,6 @@ class _TextLeaf:
             for row, value in enumerate(values[start:end]):
                 part.write(row, value)
 
-    def write_batch(self, values: Any) -> None:
-        values = tuple(values)
-        if len(values) != self.n:
-            raise ValueError(f"expected {self.n} strings, got {len(values)}")
-        for i, value in enumerate(values):
-            self.write(i, value)
-
 
 class _DictNode:
     def __init__(self, space: spaces.Dict, children: dict[str, Any]) -> None:
@@ -168,9 +150,6 @@ class _DictNode:
     def read(self, index: int) -> dict[str, Any]:
         return {key: child.read(index) for key, child in self.children.items()}
 
-    def batch(self) -> dict[str, Any]:
-        return {key: child.batch() for key, child in self.children.items()}
-
     def gather(self, parts: list[_DictNode], out: Any) -> dict[str, Any]:
         return {
             key: child.gather([p.children[key] for p in parts], None if out is None else out[key])
@@ -180,10 +159,6 @@ class _DictNode:
     def scatter(self, parts: list[_DictNode], values: Any, bounds: list[int]) -> None:
         for key, child in self.children.items():
             child.scatter([p.children[key] for p in parts], values[key], bounds)
-
-    def write_batch(self, values: Any) -> None:
-        for key, child in self.children.items():
-            child.write_batch(values[key])
 
 
 class _TupleNode:
@@ -216,9 +191,6 @@ class _TupleNode:
     def read(self, index: int) -> tuple[Any, ...]:
         return tuple(child.read(index) for child in self.children)
 
-    def batch(self) -> tuple[Any, ...]:
-        return tuple(child.batch() for child in self.children)
-
     def gather(self, parts: list[_TupleNode], out: Any) -> tuple[Any, ...]:
         return tuple(
             child.gather([p.children[k] for p in parts], None if out is None else out[k])
@@ -228,10 +200,6 @@ class _TupleNode:
     def scatter(self, parts: list[_TupleNode], values: Any, bounds: list[int]) -> None:
         for k, child in enumerate(self.children):
             child.scatter([p.children[k] for p in parts], values[k], bounds)
-
-    def write_batch(self, values: Any) -> None:
-        for child, item in zip(self.children, values, strict=True):
-            child.write_batch(item)
 
 
 def leaf_values(node, values: Any) -> list[tuple[Any, Any]]:
