@@ -129,9 +129,25 @@ class SpaceEnv(gym.Env):
         return tempfile.gettempdir()
 
 
+def _zygotes() -> tuple[set[int], set[int]]:
+    """Pids and controller-side fds of this process's zygotes: they live as long as
+    the controller (gym_fork/hosts/process/zygote.py), so leak checks leave out these
+    processes themselves, never what they forked."""
+    from gym_fork.hosts.process import zygote
+
+    running = zygote.running()
+    return {pid for pid, _ in running}, {fd for _, fd in running}
+
+
 def descendants(pid: int | None = None) -> set[int]:
-    """All live descendant pids of ``pid`` (default: this process)."""
-    pid = os.getpid() if pid is None else pid
+    """All live descendant pids of ``pid`` (default: this process), without this
+    process's zygotes (but with everything they forked)."""
+    if pid is None:
+        return _descendants(os.getpid()) - _zygotes()[0]
+    return _descendants(pid)
+
+
+def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -173,7 +189,7 @@ def marked_processes(controller: int | None = None) -> set[int]:
             continue  # gone, or a zombie
         if b"\0" + needle + b"\0" in b"\0" + environ:
             found.add(int(entry))
-    return found
+    return found - (_zygotes()[0] if controller is None else set())
 
 
 def kill_marked(controller: int | None = None) -> None:
@@ -196,7 +212,7 @@ def open_fds() -> set[int]:
             continue
         if "gym_fork-vm-boot-" not in target:
             fds.add(int(fd))
-    return fds
+    return fds - _zygotes()[1]
 
 
 def gym_fork_shm_files() -> set[str]:

@@ -186,7 +186,8 @@ def test_the_controller_is_not_even_visible(envs):
     assert reach["root"] in ("ENOENT", "EACCES", "EPERM"), reach
     assert reach["mem"] in ("ENOENT", "EACCES", "EPERM"), reach
     pids, init = envs.call("visible_processes")[0]
-    assert "gym_fork.hosts.process.parent" in init  # pid 1 is the warm parent
+    # pid 1 is the warm parent (a fork of the zygote keeps the zygote's command line)
+    assert "gym_fork.hosts.process.parent" in init or "gym_fork.hosts.process.zygote" in init
     assert len(pids) == 3, pids  # the warm parent and the two sandboxes, nothing else
 
 

@@ -28,6 +28,7 @@ from gym_fork.hosts.base import (
     raise_prepare_failure,
 )
 from gym_fork.hosts.output import OutputCollector
+from gym_fork.hosts.process import zygote
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
@@ -171,6 +172,41 @@ def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     return result
 
 
+def warm_parent_environment() -> dict[str, str]:
+    """The environment of a warm parent: the controller's, with gym_fork importable
+    and the leak-check marker set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env[SANDBOX_MARKER] = str(os.getpid())
+    return env
+
+
+def _start_warm_parent(timeout: float | None) -> tuple[socket.socket, Any]:
+    """A new warm parent and the socket to it: a fork of the controller's zygote, or
+    (zygotes off or failing) a fresh interpreter. The process object offers
+    ``pid``, ``poll``, ``wait`` and ``kill``."""
+    env = warm_parent_environment()
+    forked = zygote.fork_warm_parent(env, 60.0 if timeout is None else timeout)
+    if forked is not None:
+        return forked
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gym_fork.hosts.process.parent", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return ours, process
+
+
 class ProcessHost(SharedByBranches):
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
@@ -188,23 +224,8 @@ class ProcessHost(SharedByBranches):
         self._lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.watch: ProcessWatch | None = None
-        self.process: subprocess.Popen | None = None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        )
-        env[SANDBOX_MARKER] = str(os.getpid())
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gym_fork.hosts.process.parent", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        finally:
-            theirs.close()
-        self.sock = ours
+        self.process: Any = None  # subprocess.Popen or zygote.ForkedParent
+        self.sock, self.process = _start_warm_parent(config.start_timeout)
         self.watch = ProcessWatch(self.process.pid)
         try:
             message = init_message(config)

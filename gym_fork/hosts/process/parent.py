@@ -1,8 +1,9 @@
 """The warm parent: a clean interpreter that prepares once and forks worker sandboxes.
 
-Started by :class:`gym_fork.hosts.process.host.ProcessHost` as
-``python -m gym_fork.hosts.process.parent FD`` (never forked from the user's process,
-which may hold threads, locks or a CUDA context). It receives the env_fns, imports
+Started by :class:`gym_fork.hosts.process.host.ProcessHost`: forked by the controller's
+zygote (``gym_fork.hosts.process.zygote``, a clean pre-imported interpreter), or as
+``python -m gym_fork.hosts.process.parent FD``; never forked from the user's process,
+which may hold threads, locks or a CUDA context. It receives the env_fns, imports
 what they need once (unpickling them does), optionally builds and warms one prototype
 env (``from_parent``), then forks workers on request.
 
@@ -248,17 +249,27 @@ def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> N
 
 
 def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    """A warm parent started as a fresh interpreter by the controller."""
+    run(socket.socket(fileno=int(sys.argv[1])))
+
+
+def run(sock: socket.socket, controller: int | None = None) -> None:
+    """The warm parent's whole life, answering the controller on ``sock``.
+
+    ``controller``: a pidfd of the controller when a zygote forked this process (the
+    zygote watched it and set our PDEATHSIG); None when the controller started us.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         message, _ = recv_message(sock)
     except (EOFError, ConnectionError):
         return
-    controller = _watch_controller(message["controller_pid"])
-    if message.get("die_with_controller"):
-        # SIGTERM (not SIGKILL) so that the cleanup below still runs.
-        linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
+    if controller is None:
+        controller = _watch_controller(message["controller_pid"])
+        if message.get("die_with_controller"):
+            # SIGTERM (not SIGKILL) so that the cleanup below still runs.
+            linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
     config = cloudpickle.loads(message["isolation"])
     cgroups.sweep_stale()  # here, where /proc is still the host's
     tree = isolate_tree(config, os.getpid())

@@ -1,0 +1,444 @@
+"""The zygote: one clean, pre-imported interpreter per controller that forks warm parents.
+
+A warm parent must not be a fork of the user's process (threads, locks, a CUDA
+context), so it used to be a fresh interpreter: ~0.2 s of start-up and imports per
+vector env. The zygote pays that once per controller process (started lazily, or early
+with :func:`prestart`): it imports what a warm parent imports, freezes those objects
+for copy-on-write, and then forks one warm parent per request. A forked warm parent
+runs exactly what a freshly started one runs (``parent.run``) with the controller's
+current environment, stdout and stderr.
+
+Lifetime: the zygote exits when the controller closes its socket (at exit) or dies
+(watched through a pidfd). Its warm parents get SIGTERM when it exits (PDEATHSIG) and
+take their trees down. A zygote whose start-up inputs no longer match the controller's
+(interpreter, ``PYTHON*``/``LD_*``/``GYM_FORK_*``/thread-count variables) is retired: it
+forks nothing more and exits once its last warm parent has.
+
+``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any
+
+from gym_fork.errors import SandboxStartError
+from gym_fork.system.linux import pidfd_pids, wait_readable
+from gym_fork.transport.control import recv_message, send_message
+
+# A zygote is rebuilt when one of these differs: they are read while an interpreter
+# starts or while the modules it pre-imports load (GYM_FORK_SPIN by the ring module).
+_KEY_PREFIXES = ("PYTHON", "LD_", "GYM_FORK_", "MALLOC_")
+_KEY_SUFFIXES = ("_NUM_THREADS",)
+# Zygotes kept at once (one per set of start-up inputs); older ones are retired.
+MAX_ZYGOTES = 2
+EXIT_UNKNOWN = 255  # the exit code of a warm parent its retired zygote no longer knows
+
+
+def enabled() -> bool:
+    """Whether warm parents are forked from a zygote (``GYM_FORK_ZYGOTE``, default on)."""
+    return os.environ.get("GYM_FORK_ZYGOTE", "1") != "0"
+
+
+def zygote_key(env: dict[str, str]) -> tuple:
+    """What a zygote's pre-imported state depends on."""
+    chosen = sorted(
+        (k, v) for k, v in env.items() if k.startswith(_KEY_PREFIXES) or k.endswith(_KEY_SUFFIXES)
+    )
+    return (sys.executable, tuple(chosen))
+
+
+class ForkedParent:
+    """A warm parent forked by a zygote: the part of ``subprocess.Popen`` a host uses."""
+
+    def __init__(self, pid: int, pidfd: int, zygote: Zygote) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code once it has exited (from the zygote, which reaped it)."""
+        if self.returncode is None and self._pidfd >= 0 and wait_readable(self._pidfd, 0):
+            code = self._zygote.exit_code(self.pid)
+            self.returncode = EXIT_UNKNOWN if code is None else code
+            self._close_pidfd()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._pidfd >= 0 and not wait_readable(self._pidfd, timeout):
+            raise subprocess.TimeoutExpired(f"warm parent {self.pid}", timeout or 0)
+        code = self.poll()
+        return EXIT_UNKNOWN if code is None else code
+
+    def kill(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def __del__(self) -> None:
+        self._close_pidfd()
+
+
+class Zygote:
+    """Controller side of one zygote process."""
+
+    def __init__(self, env: dict[str, str], timeout: float) -> None:
+        self.key = zygote_key(env)
+        self.owner = os.getpid()
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gym_fork.hosts.process.zygote", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock: socket.socket | None = ours
+        try:
+            reply, fds = self._reply(timeout, "start")
+            _close_all(fds)
+            if reply.get("op") != "ready":
+                raise SandboxStartError(f"zygote start: unexpected answer {reply!r}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply(self, timeout: float | None, what: str) -> tuple[dict, list[int]]:
+        if self.sock is None:
+            raise SandboxStartError(f"zygote {what}: closed")
+        if not wait_readable(self.sock.fileno(), timeout):
+            raise SandboxStartError(f"zygote {what}: no answer within {timeout} s")
+        try:
+            reply, fds = recv_message(self.sock)
+        except (EOFError, ConnectionError) as exc:
+            raise SandboxStartError(f"zygote {what}: it died") from exc
+        if not isinstance(reply, dict):
+            _close_all(fds)
+            raise SandboxStartError(f"zygote {what}: malformed answer")
+        return reply, fds
+
+    def alive(self) -> bool:
+        return self.sock is not None and self.process.poll() is None
+
+    def fork_parent(
+        self, environ: dict[str, str], timeout: float
+    ) -> tuple[socket.socket, ForkedParent]:
+        """A new warm parent, connected to the returned socket."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_fd, err_fd = _output_fds()
+        try:
+            with self._lock:
+                if self.sock is None:
+                    raise SandboxStartError("zygote fork: closed")
+                send_message(
+                    self.sock,
+                    {"op": "fork", "environ": environ},
+                    fds=(theirs.fileno(), out_fd, err_fd),
+                )
+                reply, fds = self._reply(timeout, "fork")
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            for fd in (out_fd, err_fd):
+                os.close(fd)
+        pid = reply.get("pid")
+        if reply.get("op") != "forked" or len(fds) != 1 or not isinstance(pid, int):
+            _close_all(fds)
+            ours.close()
+            raise SandboxStartError(f"zygote fork: {reply.get('error', reply)!r}")
+        pids = pidfd_pids(fds[0])
+        if not pids or pids[-1] != pid:
+            _close_all(fds)
+            ours.close()
+            raise SandboxStartError(f"zygote fork: not a pidfd of process {pid}")
+        return ours, ForkedParent(pids[0], fds[0], self)
+
+    def exit_code(self, pid: int) -> int | None:
+        """The exit code of a warm parent it forked, None if it no longer knows."""
+        with self._lock:
+            try:
+                send_message(self.sock, {"op": "status", "pid": pid})
+                reply, fds = self._reply(2.0, "status")
+            except (OSError, SandboxStartError, TypeError, AttributeError):
+                return None
+        _close_all(fds)
+        code = reply.get("code")
+        return code if isinstance(code, int) else None
+
+    def retire(self) -> None:
+        """Fork nothing more; exit once every warm parent it forked has exited."""
+        with self._lock, contextlib.suppress(OSError, AttributeError):
+            send_message(self.sock, {"op": "retire"})
+        self._forget()
+
+    def close(self) -> None:
+        """Exit now (its warm parents get SIGTERM and take their trees down)."""
+        self._forget()
+        try:
+            self.process.wait(2.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _forget(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+
+def _output_fds() -> tuple[int, int]:
+    """Copies of this process's stdout and stderr (or /dev/null where one is closed)
+    for a new warm parent: they may have been redirected since the zygote started."""
+    fds = []
+    for fd in (1, 2):
+        try:
+            fds.append(os.dup(fd))
+        except OSError:
+            fds.append(os.open(os.devnull, os.O_WRONLY))
+    return fds[0], fds[1]
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+# -- the controller's zygotes -----------------------------------------------------------
+
+_zygotes: dict[tuple, Zygote] = {}
+_registry_lock = threading.Lock()
+
+
+def fork_warm_parent(
+    env: dict[str, str], timeout: float
+) -> tuple[socket.socket, ForkedParent] | None:
+    """A warm parent forked from this controller's zygote for ``env`` (started on first
+    use), or None when zygotes are off or the zygote failed (the caller then starts a
+    fresh interpreter; a failed zygote is replaced next time)."""
+    if not enabled():
+        return None
+    with _registry_lock:
+        _forget_inherited()
+        key = zygote_key(env)
+        zygote = _zygotes.get(key)
+        if zygote is not None and not zygote.alive():
+            _zygotes.pop(key).close()
+            zygote = None
+        if zygote is None:
+            zygote = Zygote(env, timeout)
+            _zygotes[key] = zygote
+            while len(_zygotes) > MAX_ZYGOTES:
+                _zygotes.pop(next(iter(_zygotes))).retire()
+    try:
+        return zygote.fork_parent(env, timeout)
+    except (OSError, SandboxStartError):
+        with _registry_lock:
+            if _zygotes.get(key) is zygote:
+                _zygotes.pop(key).close()
+        return None
+
+
+def prestart() -> None:
+    """Start this controller's zygote now (in the background), so that even the first
+    vector env's warm parent is a fork: call it early, e.g. before loading a model."""
+
+    def start() -> None:
+        env = dict(os.environ)
+        from gym_fork.hosts.process.host import warm_parent_environment
+
+        with contextlib.suppress(OSError, SandboxStartError):
+            env = warm_parent_environment()
+            with _registry_lock:
+                _forget_inherited()
+                if enabled() and zygote_key(env) not in _zygotes:
+                    _zygotes[zygote_key(env)] = Zygote(env, 30.0)
+
+    threading.Thread(target=start, name="gym_fork-zygote-start", daemon=True).start()
+
+
+def running() -> list[tuple[int, int]]:
+    """(pid, controller-side socket fd) of this process's live zygotes: tests leave
+    them out of their leak checks, since a zygote lives as long as its controller."""
+    with _registry_lock:
+        return [
+            (z.process.pid, z.sock.fileno())
+            for z in _zygotes.values()
+            if z.sock is not None and z.owner == os.getpid()
+        ]
+
+
+def shutdown() -> None:
+    """Stop every zygote of this process (at exit; also usable by hand)."""
+    with _registry_lock:
+        zygotes = list(_zygotes.values())
+        _zygotes.clear()
+    for zygote in zygotes:
+        if zygote.owner == os.getpid():
+            zygote.close()
+
+
+def _forget_inherited() -> None:
+    # In a fork of the controller the zygotes are the parent's: leave them to it.
+    for key, zygote in list(_zygotes.items()):
+        if zygote.owner != os.getpid():
+            del _zygotes[key]
+            if zygote.sock is not None:
+                zygote.sock.detach()  # not ours to close politely; drop the number
+                zygote.sock = None
+
+
+atexit.register(shutdown)
+
+
+# -- the zygote process -----------------------------------------------------------------
+
+
+class _ZygoteProcess:
+    """The zygote's own state: the warm parents it forked and their exit codes."""
+
+    def __init__(self, sock: socket.socket, controller: int) -> None:
+        self.sock = sock
+        self.controller = controller
+        self.children: set[int] = set()
+        self.exit_codes: dict[int, int] = {}
+        self.retired = False
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
+
+    def serve(self) -> None:
+        watched = [self.sock, self.controller]
+        while True:
+            readable, _, _ = select.select(watched, [], [], 0.2)
+            self.reap()
+            if self.controller in readable:
+                return  # the controller died
+            if self.retired and not self.children:
+                return
+            if self.sock not in readable:
+                continue
+            try:
+                message, fds = recv_message(self.sock)
+            except (EOFError, ConnectionError):
+                if not self.retired:
+                    return
+                watched = [self.controller]
+                continue
+            self.handle(message, fds)
+
+    def handle(self, message: Any, fds: list[int]) -> None:
+        op = message.get("op") if isinstance(message, dict) else None
+        if op == "fork" and len(fds) == 3 and not self.retired:
+            self.fork(message.get("environ") or {}, *fds)
+        elif op == "status":
+            _close_all(fds)
+            send_message(self.sock, {"op": "status", "code": self.exit_codes.get(message["pid"])})
+        elif op == "retire":
+            _close_all(fds)
+            self.retired = True
+        else:
+            _close_all(fds)
+            send_message(self.sock, {"op": "error", "error": f"zygote: refused {op!r}"})
+
+    def fork(self, environ: dict[str, str], parent_end: int, out_fd: int, err_fd: int) -> None:
+        from gym_fork.hosts.process.sandbox import send_with_pidfds
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._become_warm_parent(me, environ, parent_end, out_fd, err_fd)
+        _close_all([parent_end, out_fd, err_fd])
+        self.children.add(pid)
+        send_with_pidfds(self.sock, {"op": "forked", "pid": pid}, [pid])
+
+    def _become_warm_parent(
+        self, zygote: int, environ: dict[str, str], parent_end: int, out_fd: int, err_fd: int
+    ) -> None:
+        from gym_fork.hosts.process import parent
+        from gym_fork.system import linux
+
+        code = 1
+        try:
+            linux.die_with_parent(zygote, signal.SIGTERM)  # SIGTERM: the cleanup runs
+            self.sock.close()
+            os.dup2(out_fd, 1)
+            os.dup2(err_fd, 2)
+            _close_all([out_fd, err_fd])
+            os.environ.clear()
+            os.environ.update(environ)
+            parent.run(socket.socket(fileno=parent_end), controller=self.controller)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
+    controller_pid = os.getppid()
+    try:
+        controller = os.pidfd_open(controller_pid)
+    except ProcessLookupError:
+        os._exit(70)
+    if os.getppid() != controller_pid:
+        os._exit(70)  # the controller died before we watched it
+    # What every warm parent imports, once: its forks share these pages.
+    import gymnasium.envs.registration  # noqa: F401
+
+    import gym_fork.hosts.process.parent
+    import gym_fork.hosts.process.sandbox  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    zygote = _ZygoteProcess(sock, controller)
+    try:
+        send_message(sock, {"op": "ready", "pid": os.getpid()})
+        zygote.serve()
+    except (OSError, EOFError):
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The zygote: warm parents are forks of one pre-imported interpreter per controller."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork import ForkVectorEnv
+from gym_fork.errors import GymForkError
+from gym_fork.hosts.process import zygote
+from tests.helpers import _descendants, marked_processes, wait_until
+
+pytestmark = pytest.mark.process_only
+
+
+class EnvironmentEnv(gym.Env):
+    """Reports an environment variable as seen inside its sandbox."""
+
+    observation_space = gym.spaces.Discrete(2)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return 0, {}
+
+    def step(self, action):
+        return 0, 0.0, False, False, {}
+
+    def variable(self, name):
+        return os.environ.get(name)
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def zygote_of(envs: ForkVectorEnv) -> int | None:
+    """The pid of the zygote whose fork holds ``envs``' sandboxes, None if none."""
+    for pid, _ in zygote.running():
+        if set(envs.worker_pids) <= _descendants(pid):
+            return pid
+    return None
+
+
+def test_warm_parents_of_later_vector_envs_are_forks_of_one_zygote():
+    with (
+        contextlib.closing(ForkVectorEnv([cartpole] * 2)) as first,
+        contextlib.closing(ForkVectorEnv([cartpole] * 2)) as second,
+    ):
+        first.reset(seed=0)
+        second.reset(seed=0)
+        assert zygote_of(first) is not None
+        assert zygote_of(first) == zygote_of(second)
+
+
+def test_a_sandbox_sees_the_controller_environment_of_its_construction(monkeypatch):
+    with contextlib.closing(ForkVectorEnv([cartpole])):
+        pass  # the zygote exists now, with the environment of then
+    monkeypatch.setenv("ZYGOTE_TEST_VALUE", "set after the zygote started")
+    with contextlib.closing(ForkVectorEnv([EnvironmentEnv])) as envs:
+        assert zygote_of(envs) is not None
+        assert envs.call("variable", "ZYGOTE_TEST_VALUE") == ("set after the zygote started",)
+
+
+def test_a_changed_startup_variable_gets_a_new_zygote_and_the_old_one_retires(monkeypatch):
+    old_envs = ForkVectorEnv([cartpole])
+    try:
+        old_envs.reset(seed=0)
+        old = zygote_of(old_envs)
+        assert old is not None
+        zygotes = set()
+        for value in range(zygote.MAX_ZYGOTES):  # enough new keys to push the old one out
+            monkeypatch.setenv("PYTHONZYGOTETEST", str(value))
+            with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
+                zygotes.add(zygote_of(envs))
+        assert old not in zygotes and len(zygotes) == zygote.MAX_ZYGOTES
+        assert old not in {pid for pid, _ in zygote.running()}  # retired
+        # Retired, it still holds the warm parent of a live vector env:
+        assert _alive(old)
+        old_envs.step(np.array([0]))
+    finally:
+        old_envs.close()
+    assert wait_until(lambda: not _alive(old), 3.0), "a retired zygote outlived its last env"
+
+
+def test_a_killed_zygote_takes_its_trees_down_and_the_next_env_gets_a_new_one():
+    envs = ForkVectorEnv([cartpole])
+    try:
+        envs.reset(seed=0)
+        victim = zygote_of(envs)
+        workers = set(envs.worker_pids)
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: not any(_alive(pid) for pid in workers), 3.0)
+        with pytest.raises(GymForkError):
+            envs.step(np.array([0]))
+    finally:
+        envs.close()
+    with contextlib.closing(ForkVectorEnv([cartpole])) as fresh:
+        fresh.reset(seed=0)
+        assert zygote_of(fresh) not in (None, victim)
+    assert not marked_processes() & workers
+
+
+def test_zygote_off_starts_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_ZYGOTE", "0")
+    before = zygote.running()
+    with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
+        envs.reset(seed=0)
+        assert zygote_of(envs) is None
+    assert zygote.running() == before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
