@@ -429,6 +429,10 @@ def main() -> None:
 
     import gym_fork.hosts.process.parent
     import gym_fork.hosts.process.sandbox  # noqa: F401
+    from gym_fork.system import confine
+
+    with contextlib.suppress(Exception):  # a warm parent reports the reason itself
+        confine.prepare_seccomp()  # built once (~8 ms); every fork only loads it
 
     gc.collect()
     gc.freeze()
