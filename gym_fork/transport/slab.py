@@ -60,8 +60,8 @@ class _ArrayLeaf:
         """True if ``values`` is already a batch of exactly this dtype and shape."""
         return (
             type(values) is np.ndarray
-            and values.dtype == self.dtype
             and values.shape == (self.n, *self.shape)
+            and values.dtype == self.dtype
         )
 
     def gather(self, parts: list[_ArrayLeaf], out: np.ndarray | None) -> np.ndarray:
@@ -399,6 +399,25 @@ class SlabSet:
         except BaseException:
             self.close()
             raise
+        self._bind_parts()
+
+    def _bind_parts(self) -> None:
+        """Cache what every step touches (the hot path: no per-step lists, no lookups):
+        the columns of each slab and, for plain array leaves, their arrays and rows."""
+        self._rewards = [s.rewards for s in self.slabs]
+        self._terminations = [s.terminations for s in self.slabs]
+        self._truncations = [s.truncations for s in self.slabs]
+        self._obs_parts = [s.observations for s in self.slabs]
+        self._act_parts = [s.actions for s in self.slabs]
+        self._obs_arrays = None
+        if type(self.observation_layout) is _ArrayLeaf:
+            self._obs_arrays = [p.array for p in self._obs_parts]
+        self._act_rows = None
+        if type(self.action_layout) is _ArrayLeaf:
+            bounds = self.bounds
+            self._act_rows = [
+                (p.array, bounds[k], bounds[k + 1]) for k, p in enumerate(self._act_parts)
+            ]
 
     def _slab(self, count: int, fd: int) -> Slab:
         return Slab(
@@ -421,6 +440,7 @@ class SlabSet:
         old = self.slabs[position]
         self.slabs[position] = self._slab(old.num_envs, fd)
         old.close()
+        self._bind_parts()
         return self.slabs[position]
 
     def where(self, index: int) -> tuple[Slab, int]:
@@ -436,31 +456,46 @@ class SlabSet:
 
     def write_actions(self, values: Any) -> None:
         """Scatter a batch of actions over the workers' slabs."""
-        self.action_layout.scatter([s.actions for s in self.slabs], values, self.bounds)
+        rows = self._act_rows
+        if rows is not None:  # a plain array leaf: one slice assignment per worker
+            for array, start, end in rows:
+                array[...] = values[start:end]
+            return
+        self.action_layout.scatter(self._act_parts, values, self.bounds)
 
     def observations(self, out: Any = None) -> Any:
         """The batch of observations (into ``out`` when given)."""
-        parts = [s.observations for s in self.slabs]
-        return self.observation_layout.gather(parts, out)
+        arrays = self._obs_arrays
+        if arrays is not None:  # a plain array leaf
+            if len(arrays) == 1 and out is None:
+                return arrays[0].copy()
+            return np.concatenate(arrays, out=out)
+        return self.observation_layout.gather(self._obs_parts, out)
 
-    def _column(self, name: str) -> np.ndarray:
-        parts = [getattr(s, name) for s in self.slabs]
+    @staticmethod
+    def _column(parts: list[np.ndarray]) -> np.ndarray:
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def rewards(self) -> np.ndarray:
         """A new array of every sub-env's last reward."""
-        return self._column("rewards")
+        return self._column(self._rewards)
 
     def terminations(self) -> np.ndarray:
         """A new array of every sub-env's last termination flag."""
-        return self._column("terminations")
+        return self._column(self._terminations)
 
     def truncations(self) -> np.ndarray:
         """A new array of every sub-env's last truncation flag."""
-        return self._column("truncations")
+        return self._column(self._truncations)
+
+    def step_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """New arrays of the last rewards, terminations and truncations (one call)."""
+        column = self._column
+        return column(self._rewards), column(self._terminations), column(self._truncations)
 
     def close(self) -> None:
         """Unmap every slab."""
         for slab in self.slabs:
             slab.close()
         self.slabs = []
+        self._bind_parts()

@@ -400,8 +400,10 @@ class ForkVectorEnv(VectorEnv):
 
     def step_async(self, actions) -> None:
         """Write the actions to the slab (or the requests) and wake the workers."""
-        self._assert_is_running()
-        self._assert_idle("step_async", ".")
+        if self.closed:
+            self._assert_is_running()
+        if self._state is not AsyncState.DEFAULT:
+            self._assert_idle("step_async", ".")
         pool = self.sandboxes.pool
         # A dead worker is noticed by the wait (every faults.LIVENESS_SLICE), not here: a
         # liveness syscall per worker per step would cost more than the step itself.
@@ -424,25 +426,28 @@ class ForkVectorEnv(VectorEnv):
             )
         replies = self._collect(timeout, P.STEP, "step_wait")
         infos: dict[str, Any] = {}
-        observations = [] if not self._obs_in_slab else None
-        for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
-            if info_list is not None:
-                for k, index in enumerate(worker.indices):
-                    infos = self._add_info(infos, info_list[k], index)
-            if observations is not None:
+        if self._obs_in_slab:
+            # The hot path: every result is in the slabs; a worker's reply carries only
+            # its infos, and only when one of its sub-envs returned a non-empty one.
+            for worker, reply in zip(self.sandboxes.pool.workers, replies, strict=True):
+                info_list = reply[1]
+                if info_list is not None:
+                    for k, index in enumerate(worker.indices):
+                        infos = self._add_info(infos, info_list[k], index)
+        else:
+            observations = []
+            for worker, (obs_list, info_list) in zip(
+                self.sandboxes.pool.workers, replies, strict=True
+            ):
+                if info_list is not None:
+                    for k, index in enumerate(worker.indices):
+                        infos = self._add_info(infos, info_list[k], index)
                 observations.extend(obs_list)
-        if observations is not None:
             self.observations = concatenate(
                 self.single_observation_space, observations, self.observations
             )
-        slabs = self.sandboxes.slabs
-        return (
-            self._observations_out(),
-            slabs.rewards(),
-            slabs.terminations(),
-            slabs.truncations(),
-            infos,
-        )
+        rewards, terminations, truncations = self.sandboxes.slabs.step_columns()
+        return self._observations_out(), rewards, terminations, truncations, infos
 
     # -- call / attributes ----------------------------------------------------------
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:

@@ -24,7 +24,7 @@ from gym_fork.errors import (
     TransportError,
 )
 from gym_fork.hosts.base import Host, WorkerHandle
-from gym_fork.transport.codec import pack
+from gym_fork.transport.codec import pack, pack_bare_request
 from gym_fork.worker import protocol as P
 
 from .faults import Deadline, WaitTimeout, corrupted, crashed, errors_exception, timed_out
@@ -68,8 +68,15 @@ class WorkerPool:
 
     def send_same(self, op: int, arg: Any) -> None:
         """The same request to every worker (one encode)."""
-        seq = self._next_seq()
-        record = pack([op, seq, arg])
+        self._seq += 1
+        seq = self._seq
+        record = pack_bare_request(op, seq) if arg is None else pack([op, seq, arg])
+        if self.max_concurrency is None:  # the hot path of a step: no list, no holding
+            self._held = []
+            for worker in self.workers:
+                worker.awaiting = seq
+                self._send_record(worker, record, op)
+            return
         self._dispatch(op, seq, [record] * len(self.workers))
 
     def send_each(self, op: int, args: list[Any]) -> None:
@@ -172,7 +179,8 @@ class WorkerPool:
                     held.awaiting = 0
                 self._held = []
                 raise
-            self._release_held()
+            if self._held:
+                self._release_held()
             results.append(result)
             if worker_errors:
                 errors.extend(worker_errors)

@@ -75,3 +75,14 @@ def test_a_graph_value_travels_as_plain_arrays_not_a_pickle():
     back = unpack(pack(value), allow_pickle=False, refused=refused)
     assert refused == [] and type(back) is GraphInstance
     assert all(np.array_equal(a, b) for a, b in zip(back, value, strict=True))
+
+
+@pytest.mark.parametrize("seq", [0, 1, 127, 128, 65535, 2**32, 2**64 - 1, 2**64, -1])
+def test_the_hot_path_records_decode_as_their_msgpack_forms(seq):
+    from gym_fork.transport.codec import pack_bare_request, pack_empty_reply
+
+    request = unpack(pack_bare_request(3, seq))
+    reply = unpack(pack_empty_reply(3, seq))
+    assert request == unpack(pack([3, seq, None])) == [3, seq, None]
+    assert reply == unpack(pack([3, seq, [None, None], None])) == [3, seq, [None, None], None]
+    assert type(request[1]) is int and type(reply[1]) is int

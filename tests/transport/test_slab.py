@@ -61,3 +61,43 @@ def test_two_mappings_of_one_slab_share_rows():
     assert owner.rewards[1] == 3.0
     peer.close()
     owner.close()
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        spaces.Box(-1, 1, (3,), np.float32),
+        spaces.Discrete(5),
+        spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Box(0, 1, (2,))}),
+    ],
+    ids=repr,
+)
+def test_a_slab_set_scatters_and_gathers_whole_batches_across_its_slabs(space):
+    import os
+
+    from gymnasium.vector.utils import batch_space, iterate
+
+    from gym_fork.transport.slab import SlabSet
+
+    counts = [3, 1, 2]
+    fds = [os.memfd_create("t", os.MFD_ALLOW_SEALING) for _ in counts]
+    slabs = SlabSet(space, space, counts, fds, use_observations=True)
+    batch = batch_space(space, 6)
+    batch.seed(1)
+    for _ in range(2):  # the second time after a slab was replaced
+        actions = batch.sample()
+        assert slabs.accepts_actions(actions)
+        slabs.write_actions(actions)
+        rows = list(iterate(batch, actions))
+        for i, expected in enumerate(rows):
+            slab, row = slabs.where(i)
+            assert data_equivalence(slab.actions.read(row), expected)
+            slab.observations.write(row, expected)
+            slab.rewards[row], slab.terminations[row] = i, i % 2 == 0
+        assert data_equivalence(slabs.observations(), actions)
+        rewards, terminations, truncations = slabs.step_columns()
+        assert rewards.tolist() == list(range(6)) and truncations.tolist() == [False] * 6
+        assert terminations.tolist() == [i % 2 == 0 for i in range(6)]
+        assert not np.shares_memory(rewards, slabs.slabs[0].rewards)
+        slabs.replace(1, os.memfd_create("t", os.MFD_ALLOW_SEALING))
+    slabs.close()
