@@ -43,6 +43,10 @@ class EnvRecipe:
         gc.collect()
         gc.freeze()
 
+    def builds_in_sandbox(self) -> bool:
+        """True when sandboxes build their envs from ``env_fns`` (no prepared parent)."""
+        return self.prototype is None and self.recipe is None and bool(self.env_fns)
+
     def prepared_env(self):
         """env_fn(), then reset(seed), warmup(env) and ready_check(env)."""
         warmup, ready_check, seed = self.recipe

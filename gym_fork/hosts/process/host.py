@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from gym_fork.hosts.base import (
     raise_prepare_failure,
 )
 from gym_fork.hosts.output import OutputCollector
-from gym_fork.hosts.process import zygote
+from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
@@ -172,6 +173,33 @@ def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     return result
 
 
+class EnvModules:
+    """Per controller: the modules that building each set of env_fns imports, as its
+    first warm parent found them (gym_fork/hosts/process/preimport.py), so that later
+    warm parents of the same env_fns import them at once, without a throw-away build."""
+
+    MAX_ENTRIES = 64
+    MAX_NAMES = 20000
+
+    def __init__(self) -> None:
+        self._by_digest: dict[bytes, list[str]] = {}
+
+    def known(self, env_fns: bytes) -> list[str] | None:
+        return self._by_digest.get(hashlib.sha256(env_fns).digest())
+
+    def learn(self, env_fns: bytes, names: Any) -> None:
+        if not isinstance(names, list) or len(names) > self.MAX_NAMES:
+            return
+        if not all(isinstance(n, str) and preimport.is_module_name(n) for n in names):
+            return
+        if len(self._by_digest) >= self.MAX_ENTRIES:
+            self._by_digest.pop(next(iter(self._by_digest)))
+        self._by_digest[hashlib.sha256(env_fns).digest()] = names
+
+
+_env_modules = EnvModules()
+
+
 def warm_parent_environment() -> dict[str, str]:
     """The environment of a warm parent: the controller's, with gym_fork importable
     and the leak-check marker set."""
@@ -229,6 +257,8 @@ class ProcessHost(SharedByBranches):
         self.watch = ProcessWatch(self.process.pid)
         try:
             message = init_message(config)
+            known = _env_modules.known(message["env_fns"]) if config.trusted else None
+            message["preimport"] = {"enabled": config.trusted, "modules": known}
             message["controller_pid"] = os.getpid()
             message["die_with_controller"] = threading.current_thread() is threading.main_thread()
             message["isolation"] = cloudpickle.dumps(config.isolation)
@@ -238,6 +268,8 @@ class ProcessHost(SharedByBranches):
                 _close_all(fds)
                 raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
             (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
+            if config.trusted and known is None:
+                _env_modules.learn(message["env_fns"], reply.get("preimported"))
         except BaseException:
             self.close()
             raise

@@ -31,6 +31,7 @@ import time
 import cloudpickle
 
 from gym_fork.hosts.base import prepare_failure
+from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.sandbox import (
     FDS_PER_SANDBOX,
     redirect_output,
@@ -43,6 +44,7 @@ from gym_fork.system.isolation import (
     Isolation,
     IsolationConfig,
     become_tree_init,
+    enter_sandbox,
     isolate_tree,
 )
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
@@ -120,6 +122,31 @@ class WarmParent:
             )
 
         run_as_sandbox(body)
+
+    def preimport(self, request: dict) -> list[str] | None:
+        """Import what building ``env_fns[0]`` imports, so that sandboxes share those
+        modules (gym_fork/hosts/process/preimport.py): the names the controller already
+        knows, or those a throw-away sandbox reports. Returns the names, None if off."""
+        if not (request.get("enabled") and preimport.enabled()):
+            return None
+        if not self.recipe.builds_in_sandbox():
+            return None
+        known = request.get("modules")
+        if isinstance(known, list):
+            return preimport.import_all(known)
+
+        def enter() -> None:
+            linux.die_with_parent(self.pid)
+            enter_sandbox(self.isolation_config, self.tree_isolation, self.pid, None)
+
+        def cleanup(pid: int) -> None:
+            remove_sandbox_scratch(self.tree_id, pid)
+            cgroups.remove(self.tree_id, pid)
+
+        close = [self.sock.fileno()] + ([self.controller] if self.controller >= 0 else [])
+        return preimport.preimport(
+            self.recipe.env_fns[0], enter, close, preimport.budget(), cleanup
+        )
 
     def reap(self) -> None:
         while True:
@@ -287,9 +314,15 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
         except Exception as exc:
             send_message(sock, prepare_failure(exc))
             return
+        preimported = parent.preimport(message.get("preimport") or {})
         send_with_pidfds(
             sock,
-            {"op": "ready", "pid": os.getpid(), "isolation": tree.report()},
+            {
+                "op": "ready",
+                "pid": os.getpid(),
+                "isolation": tree.report(),
+                "preimported": preimported,
+            },
             [os.getpid()],
         )
         parent.serve()
