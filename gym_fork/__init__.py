@@ -35,7 +35,17 @@ __all__ = [
     "TransportError",
     "__version__",
     "make_vec",
+    "prestart",
 ]
+
+
+def prestart(wait: bool = False) -> None:
+    """Start this process's zygote now (gym_fork/hosts/process/zygote.py), so that even
+    the first ``ForkVectorEnv`` starts in milliseconds: call it early, e.g. before
+    loading a model. In the background unless ``wait``."""
+    from gym_fork.hosts.process import zygote
+
+    zygote.prestart(wait=wait)
 
 
 def __getattr__(name: str):

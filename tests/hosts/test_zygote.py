@@ -120,3 +120,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_prestart_makes_the_zygote_the_first_vector_env_uses(monkeypatch):
+    import gym_fork
+
+    monkeypatch.setenv("PYTHONZYGOTETEST", "prestart")  # a key no zygote has yet
+    before = {pid for pid, _ in zygote.running()}
+    gym_fork.prestart(wait=True)
+    started = {pid for pid, _ in zygote.running()} - before
+    assert len(started) == 1
+    with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
+        assert zygote_of(envs) in started

@@ -241,6 +241,19 @@ def fork_warm_parent(
     fresh interpreter; a failed zygote is replaced next time)."""
     if not enabled():
         return None
+    key = zygote_key(env)
+    zygote = _zygote_for(env, timeout)
+    try:
+        return zygote.fork_parent(env, timeout)
+    except (OSError, SandboxStartError):
+        with _registry_lock:
+            if _zygotes.get(key) is zygote:
+                _zygotes.pop(key).close()
+        return None
+
+
+def _zygote_for(env: dict[str, str], timeout: float) -> Zygote:
+    """The live zygote for ``env``'s key, started if there is none (older ones retired)."""
     with _registry_lock:
         _forget_inherited()
         key = zygote_key(env)
@@ -253,31 +266,25 @@ def fork_warm_parent(
             _zygotes[key] = zygote
             while len(_zygotes) > MAX_ZYGOTES:
                 _zygotes.pop(next(iter(_zygotes))).retire()
-    try:
-        return zygote.fork_parent(env, timeout)
-    except (OSError, SandboxStartError):
-        with _registry_lock:
-            if _zygotes.get(key) is zygote:
-                _zygotes.pop(key).close()
-        return None
+        return zygote
 
 
-def prestart() -> None:
-    """Start this controller's zygote now (in the background), so that even the first
-    vector env's warm parent is a fork: call it early, e.g. before loading a model."""
+def prestart(wait: bool = False) -> None:
+    """Start this controller's zygote now (in a background thread unless ``wait``), so
+    that even the first vector env's warm parent is a fork: call it early, e.g. before
+    loading a model. Errors are left to the first vector env, which retries."""
 
     def start() -> None:
-        env = dict(os.environ)
         from gym_fork.hosts.process.host import warm_parent_environment
 
-        with contextlib.suppress(OSError, SandboxStartError):
-            env = warm_parent_environment()
-            with _registry_lock:
-                _forget_inherited()
-                if enabled() and zygote_key(env) not in _zygotes:
-                    _zygotes[zygote_key(env)] = Zygote(env, 30.0)
+        if enabled():
+            with contextlib.suppress(OSError, SandboxStartError):
+                _zygote_for(warm_parent_environment(), 60.0)
 
-    threading.Thread(target=start, name="gym_fork-zygote-start", daemon=True).start()
+    if wait:
+        start()
+    else:
+        threading.Thread(target=start, name="gym_fork-zygote-start", daemon=True).start()
 
 
 def running() -> list[tuple[int, int]]:
