@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 
 from gym_fork.system import linux
 
@@ -72,7 +73,14 @@ _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _PR_SET_DUMPABLE = 4
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
+# libseccomp attributes that would make its load pass flags to seccomp(2) (TSYNC, LOG,
+# SSB): the precompiled program is only loaded by hand while all are off.
+_SCMP_FLTATR_FLAGS = (4, 6, 7)
+# A Cap* line of /proc/<pid>/status with a capability left in it.
+_CAPABILITY_LEFT = re.compile(rb"^Cap\w+:\s*0*[1-9a-fA-F]", re.MULTILINE)
 
 
 class _CapHeader(ctypes.Structure):
@@ -87,12 +95,26 @@ class _CapData(ctypes.Structure):
     ]
 
 
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
+# Declared once: each call then converts plain ints without building ctypes objects.
+_prctl = _libc.prctl
+_prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+_prctl.restype = ctypes.c_int
 
 # What this process (and so every process forked from it) has already given up.
 _seccomp_installed = 0
 _dropped = False
 _prepared: tuple[object, int] | None = None  # built once, in the warm parent
+# The filter as a BPF program (kept alive: a sandbox loads it with one prctl) and the
+# capability plan (capabilities of the bounding set, whether any set is not empty), both
+# made in the warm parent: a fork has the warm parent's capabilities.
+_program: tuple[ctypes.Array, _SockFprog] | None = None
+_capability_plan: tuple[tuple[int, ...], bool] | None = None
+_capset_args: tuple[_CapHeader, ctypes.Array] | None = None
 
 
 class ConfinementError(OSError):
@@ -110,31 +132,62 @@ def capability_sets() -> dict[str, int]:
     return sets
 
 
+def _plan_capabilities() -> tuple[tuple[int, ...], bool]:
+    """(the capabilities in this process's bounding set, whether any set is not empty)."""
+    sets = capability_sets()
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    bounding = sets.get("CapBnd", 0)
+    return tuple(cap for cap in range(last + 1) if bounding >> cap & 1), any(sets.values())
+
+
+def _own_status() -> bytes:
+    """/proc/self/status, raw (one read: the kernel renders it at once)."""
+    fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
+def _check_prctl(option: int, value: int) -> None:
+    if _prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def drop_capabilities() -> None:
     """Empty every capability set: ambient, bounding, effective, permitted, inheritable.
 
     With an empty bounding set, not even executing a program as root gives any back.
-    Raises ConfinementError when a set is not empty afterwards."""
+    Raises ConfinementError when a set is not empty afterwards (checked in this
+    process's /proc/self/status, whatever plan the drop followed)."""
     global _dropped
+    inherited_drop = _dropped  # forked from a sandbox that dropped them (a clone)
     _dropped = True  # even a partial drop leaves this process unable to make namespaces
-    sets = capability_sets()
-    if any(sets.values()):
-        linux.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
-        if sets.get("CapBnd"):
+    if inherited_drop:
+        if not _CAPABILITY_LEFT.search(_own_status()):
+            return
+        plans: tuple = (None,)
+    else:
+        # The warm parent's plan first (a fork has its capabilities), then, should any
+        # be left, this process's own sets, read now.
+        plans = (_capability_plan, None) if _capability_plan is not None else (None,)
+    for plan in plans:
+        bounding, any_set = plan if plan is not None else _plan_capabilities()
+        if any_set:
+            _check_prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
             # Bounding set first: dropping from it needs CAP_SETPCAP, which goes next.
-            for cap in range(last + 1):
-                if sets["CapBnd"] >> cap & 1:
-                    linux.prctl(_PR_CAPBSET_DROP, cap)
-        header = _CapHeader(_CAP_VERSION_3, 0)
-        data = (_CapData * 2)()
-        if _libc.capset(ctypes.byref(header), data) != 0:
-            err = ctypes.get_errno()
-            raise ConfinementError(err, f"capset: {os.strerror(err)}")
+            for cap in bounding:
+                _check_prctl(_PR_CAPBSET_DROP, cap)
+            header, data = _capset_args or (_CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)())
+            if _libc.capset(ctypes.byref(header), data) != 0:
+                err = ctypes.get_errno()
+                raise ConfinementError(err, f"capset: {os.strerror(err)}")
+        if not _CAPABILITY_LEFT.search(_own_status()):
+            return
     left = {name: value for name, value in capability_sets().items() if value}
-    if left:
-        raise ConfinementError(errno.EPERM, f"capabilities left after the drop: {left}")
+    raise ConfinementError(errno.EPERM, f"capabilities left after the drop: {left}")
 
 
 def forbid_tracing() -> None:
@@ -144,13 +197,21 @@ def forbid_tracing() -> None:
 
 
 def prepare_seccomp() -> tuple[object, int]:
-    """Build the filter (not loaded): call once in the warm parent, so that each sandbox
-    forked from it only loads it. Returns (filter, number of system calls refused).
+    """Build the filter (not loaded) and the capability plan: call once in the warm
+    parent (or the zygote it is forked from), so that each sandbox forked from it only
+    loads the compiled program (one prctl) and drops what the plan lists. Returns
+    (filter, number of system calls refused).
 
     Raises ConfinementError naming the reason when libseccomp cannot be used."""
-    global _prepared
+    global _prepared, _program, _capability_plan, _capset_args
     if _prepared is not None:
         return _prepared
+    if _capability_plan is None:
+        try:
+            _capability_plan = _plan_capabilities()
+            _capset_args = (_CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)())
+        except (OSError, ValueError):
+            _capability_plan = None  # each sandbox reads its own sets
     try:
         import pyseccomp as seccomp
     except (ImportError, RuntimeError, OSError) as exc:
@@ -177,8 +238,39 @@ def prepare_seccomp() -> tuple[object, int]:
         refused += 2
     except OSError as exc:
         raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc
+    _program = _compile(flt)
     _prepared = (flt, refused)
     return _prepared
+
+
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def _compile(flt) -> tuple[ctypes.Array, _SockFprog] | None:
+    """The filter as libseccomp would load it (seccomp_export_bpf generates the same
+    program as seccomp_load), ready for PR_SET_SECCOMP; None where libseccomp's load
+    would pass flags to seccomp(2), or the export fails: sandboxes then use its load."""
+    try:
+        if any(flt.get_attr(attr) for attr in _SCMP_FLTATR_FLAGS):
+            return None
+        fd = os.memfd_create("gym_fork-seccomp", os.MFD_CLOEXEC)
+        try:
+            flt.export_bpf(_Fd(fd))
+            size = os.lseek(fd, 0, os.SEEK_END)
+            code = os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+    except Exception:
+        return None
+    if not code or len(code) % 8 or len(code) // 8 > 4096:
+        return None  # not a program the kernel takes (8 bytes per instruction, <= 4096)
+    buffer = ctypes.create_string_buffer(code, len(code))
+    return buffer, _SockFprog(len(code) // 8, ctypes.addressof(buffer))
 
 
 def install_seccomp() -> int:
@@ -190,10 +282,17 @@ def install_seccomp() -> int:
     if _seccomp_installed:
         return _seccomp_installed  # inherited from the sandbox this one was forked from
     flt, refused = prepare_seccomp()
-    try:
-        flt.load()
-    except OSError as exc:
-        raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc
+    if _program is not None:
+        # The program libseccomp's load would generate, loaded as it would load it
+        # (no_new_privs is set by the caller; no flags).
+        if _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(_program[1]), 0, 0):
+            err = ctypes.get_errno()
+            raise ConfinementError(err, f"seccomp filter: {os.strerror(err)}")
+    else:
+        try:
+            flt.load()
+        except OSError as exc:
+            raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc
     _seccomp_installed = refused
     return refused
 

@@ -34,7 +34,7 @@ import os
 import resource
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from gym_fork.system import cgroups, confine, linux
@@ -85,14 +85,28 @@ class Isolation:
     tree_id: int = 0
 
     def report(self) -> dict[str, Any]:
-        """The achieved layers as plain data (for the HELLO and the isolation report)."""
-        out = asdict(self)
-        del out["tree_id"]
-        return out
+        """The achieved layers as plain data (for the HELLO and the isolation report).
+
+        Copied by hand, not with dataclasses.asdict: a sandbox builds this right after
+        fork, and every object a deep copy touches is a page copied (the values are
+        plain data, dicts at most one level deep)."""
+        return {
+            "tree": _plain(self.tree),
+            "sandbox": _plain(self.sandbox),
+            "limits": _plain(self.limits),
+            "missing": dict(self.missing),
+        }
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _plain(v) if type(v) is dict else v for k, v in d.items()}
 
 
 # In a sandbox with a private /tmp overlay: the directory holding only its own writes.
 _PRIVATE_WRITES: str | None = None
+# In a sandbox forking clones: the directory their TMPDIRs start from, when it was
+# empty just before the fork (each clone then skips listing it again).
+_EMPTY_CLONE_SOURCE: str | None = None
 
 
 def _remember_private_writes(path: str) -> None:
@@ -185,9 +199,9 @@ def enter_sandbox(
         achieved.missing["sandbox_mount"] = why
         if config.namespaces and tree.tree.get("mount"):
             achieved.missing["ipc"] = why
-        if copy_from is None and tree.tree.get("private_tmp"):
-            # the source's own writes, not the whole /tmp (its lower layer is the host's)
-            copy_from = _PRIVATE_WRITES or tempfile.gettempdir()
+        copy_from = _clone_source(copy_from, tree)
+        if copy_from == _EMPTY_CLONE_SOURCE:
+            copy_from = None  # nothing to copy: the source found it empty before the fork
     elif tree.tree.get("private_tmp"):
         try:
             ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
@@ -203,9 +217,7 @@ def enter_sandbox(
     if not config.private_tmp:
         pass  # the caller wants the host's /tmp: nothing private, nothing to copy
     elif not achieved.sandbox.get("private_tmp"):
-        scratch = tempfile.mkdtemp(
-            prefix=f"gym_fork-scratch-{owner}-{os.getpid()}-", dir=base_dir()
-        )
+        scratch = _new_scratch_dir(f"gym_fork-scratch-{owner}-{os.getpid()}-")
         _copy_tree(copy_from, scratch)
         os.environ["TMPDIR"] = scratch
         tempfile.tempdir = scratch
@@ -244,6 +256,40 @@ def enter_sandbox(
     return scratch, achieved
 
 
+def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
+    """What a clone's TMPDIR starts from: its source's scratch dir, or with a private
+    /tmp the source's own writes (not the whole /tmp: its lower layer is the host's)."""
+    if copy_from is None and tree.tree.get("private_tmp"):
+        return _PRIVATE_WRITES or tempfile.gettempdir()
+    return copy_from
+
+
+def before_forking_clones(copy_from: str | None, tree: Isolation) -> None:
+    """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
+    :func:`enter_sandbox`): list what their TMPDIRs start from once, here, instead of
+    once in every clone. Only an empty listing is remembered."""
+    global _EMPTY_CLONE_SOURCE
+    source = _clone_source(copy_from, tree)
+    try:
+        _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
+    except OSError:
+        _EMPTY_CLONE_SOURCE = None  # each clone looks for itself
+
+
+def _new_scratch_dir(prefix: str) -> str:
+    """A new directory ``prefix`` + random suffix in the scratch base, mode 0700 (what
+    tempfile.mkdtemp makes, without building a random generator in every new sandbox)."""
+    base = base_dir()
+    for _ in range(100):
+        path = os.path.join(base, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free scratch directory name in {base}")
+
+
 def _confine(config: IsolationConfig, achieved: Isolation) -> None:
     """Last step of the set-up: give up the privileges it needed, then filter syscalls."""
     if not config.confine:
@@ -271,12 +317,18 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
 def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
     """Copy ``source``'s entries into ``target``, without ``skip``, scratch directories
     and other mounts (a re-attached venv under /tmp is not copied)."""
-    if not (source and os.path.isdir(source)):
+    if not source:
+        return
+    try:
+        listed = os.listdir(source)  # usually empty (a fresh /dev/shm): nothing else to do
+    except OSError:
+        return  # missing or not a directory
+    if not listed:
         return
     device = os.stat(source).st_dev
     names = [
         n
-        for n in os.listdir(source)
+        for n in listed
         if os.path.join(source, n) not in skip and not n.startswith("gym_fork-scratch-")
     ]
     for name in names:

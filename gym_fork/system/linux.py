@@ -13,11 +13,14 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+_prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+_prctl.restype = ctypes.c_int
 
 
 def prctl(option: int, value: int) -> None:
     """Call prctl(2); raise OSError on failure."""
-    if _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+    if _prctl(option, value, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

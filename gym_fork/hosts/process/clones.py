@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gym_fork.system.isolation import before_forking_clones
 from gym_fork.system.linux import die_with_parent
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message
@@ -41,6 +42,20 @@ class _Clone:
     seed: int | None
     name: str
     fds: tuple[int, ...]  # slab, channel, side socket, stdout, stderr
+    others: tuple[tuple[int, int], ...] = ()  # [lo, hi) runs of the other clones' fds
+
+
+def _runs_without(fds: list[int], keep: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``fds`` less ``keep`` as [lo, hi) runs of consecutive numbers: fds received in
+    one message are mostly consecutive, so a clone closes the others' with a few
+    close_range calls (os.closerange) instead of one close per fd."""
+    runs: list[tuple[int, int]] = []
+    for fd in sorted(set(fds) - set(keep)):
+        if runs and runs[-1][1] == fd:
+            runs[-1] = (runs[-1][0], fd + 1)
+        else:
+            runs.append((fd, fd + 1))
+    return tuple(runs)
 
 
 def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
@@ -61,9 +76,12 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             if seed is not None and not isinstance(seed, int):
                 raise TypeError(f"fork: a seed must be an int or None, got {seed!r}")
             plan.append(_Clone(slot, branch_index, seed, name, tuple(fds[per * k : per * (k + 1)])))
+        for clone in plan:  # computed here once: shared by every clone, not redone
+            clone.others = _runs_without(fds, clone.fds)
         branch_arg = dict(worker.attach_arg, num_envs=arg["num_envs"])
+        before_forking_clones(worker.scratch, worker.tree_isolation)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
-        pids = _double_fork(worker, plan, fds, branch_arg, arg["ring_capacity"])
+        pids = _double_fork(worker, plan, branch_arg, arg["ring_capacity"])
         # The controller learns the clones' pids in its own pid namespace from these.
         send_with_pidfds(worker.sock, {"op": "forked", "pids": pids}, pids)
         return pids
@@ -72,7 +90,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             os.close(fd)
 
 
-def _double_fork(worker, plan: list[_Clone], all_fds, branch_arg, capacity) -> list[int]:
+def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
     read_end, write_end = os.pipe()
     # The gate: clones block on it until every intermediate (its only other writers)
     # is gone, i.e. until they are orphans about to be adopted, instead of polling.
@@ -90,7 +108,7 @@ def _double_fork(worker, plan: list[_Clone], all_fds, branch_arg, capacity) -> l
                     if clone == 0:
                         os.close(write_end)
                         os.close(gate_write)
-                        _become_clone(worker, plan[k], all_fds, branch_arg, capacity, gate_read)
+                        _become_clone(worker, plan[k], branch_arg, capacity, gate_read)
                     # 16 bytes < PIPE_BUF: writes from several intermediates never mix
                     os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
             finally:
@@ -115,14 +133,13 @@ def _double_fork(worker, plan: list[_Clone], all_fds, branch_arg, capacity) -> l
     return pids
 
 
-def _become_clone(worker: ProcessWorker, clone: _Clone, all_fds, branch_arg, capacity, gate):
+def _become_clone(worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate):
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
     redirect_output(out_fd, err_fd)
 
     def body() -> None:
-        for fd in all_fds:
-            if fd not in clone.fds:
-                os.close(fd)
+        for lo, hi in clone.others:
+            os.closerange(lo, hi)
         # Let go of the source's channel, socket and slab: they are not ours.
         worker.channel.close()
         worker.sock.close()
