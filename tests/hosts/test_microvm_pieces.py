@@ -150,3 +150,51 @@ def test_old_guest_images_are_pruned_keeping_the_newest_and_recent_ones(tmp_path
     (tmp_path / "h").mkdir()  # e falls beyond the newest three, but is younger than this:
     monkeypatch.setattr(image, "PRUNE_AFTER_S", 1500.0)
     assert image._prune_images(keep=tmp_path / "a") == []
+
+
+def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from gym_fork.hosts.microvm import image
+
+    tree = tmp_path / "code"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "mod.py").write_text("x = 1\n")
+    (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF")
+    calls = []
+
+    def collect(python: str) -> image._Manifest:
+        calls.append(python)
+        manifest = image._Manifest()
+        manifest.add_tree(str(tree))
+        # only the tree: pytest's own directories above it change as other tests run
+        manifest.entries = {k: v for k, v in manifest.entries.items() if k.startswith(str(tree))}
+        return manifest
+
+    def age(*paths) -> None:  # older than the racy window: the collection is kept
+        old = time.time() - 60
+        for path in paths:
+            os.utime(path, (old, old))
+
+    monkeypatch.setattr(image, "_collect", collect)
+    monkeypatch.setattr(image, "_collected", {})
+    age(tree, tree / "pkg", tree / "pkg" / "ext.so")
+    first = image._collect_memoised("py")
+    assert image._collect_memoised("py") is first and len(calls) == 1
+    before = first.digest([])
+    (tree / "pkg" / "mod.py").write_text("x = 2  # edited in place\n")
+    assert image._collect_memoised("py") is first  # same entries; the digest sees the edit
+    assert first.digest([]) != before
+    (tree / "pkg" / "new.py").write_text("y = 1\n")  # a new file: its directory changed
+    second = image._collect_memoised("py")
+    assert second is not first and str(tree / "pkg" / "new.py") in second.entries
+    assert len(calls) == 2
+    assert image._collect_memoised("py") is second or len(calls) == 3  # racy: not kept
+    age(tree / "pkg")
+    third = image._collect_memoised("py")
+    assert image._collect_memoised("py") is third
+    count = len(calls)
+    (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF rebuilt")  # its libraries may differ
+    assert image._collect_memoised("py") is not third and len(calls) == count + 1
+    assert image._collect_memoised("py", force=True) and len(calls) == count + 2

@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,75 @@ def _shared_libraries(files: list[str]) -> set[str]:
     return libs
 
 
+@dataclass
+class _Collected:
+    """A manifest with what it was made from: the mtime of each directory in it (an
+    entry added, removed or renamed anywhere changes its directory's mtime) and the
+    identity of each ELF file ldd read (their libraries are in the manifest too)."""
+
+    manifest: _Manifest
+    dirs: dict[str, int]
+    elf: dict[str, tuple[int, int, int]]
+
+    def still_valid(self) -> bool:
+        """True while no directory of the manifest and no ELF file changed. Edits to a
+        file in place are not looked for here: the digest stats every file anyway."""
+        try:
+            for path, mtime in self.dirs.items():
+                if os.stat(path).st_mtime_ns != mtime:
+                    return False
+            for path, ident in self.elf.items():
+                if _identity(os.stat(path)) != ident:
+                    return False
+        except OSError:
+            return False
+        return True
+
+
+# Collections made by this process, by what they depend on (the interpreter, sys.path,
+# the working directory). build_image runs more than once in a process that makes
+# microVM envs; walking ~58,000 files and running ldd on their ELF files takes seconds.
+_collected: dict[tuple, _Collected] = {}
+_collected_lock = threading.Lock()
+# A directory modified this close to the walk may change again within the same tick of
+# the file system's clock without its mtime changing: such a collection is not kept.
+RACY_NS = 2_000_000_000
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _collect_key(python: str) -> tuple:
+    return (python, tuple(sys.path), os.getcwd(), sys.prefix, sys.base_prefix, PACKAGE_ROOT)
+
+
+def _collect_memoised(python: str, force: bool = False) -> _Manifest:
+    """:func:`_collect`, reused while :meth:`_Collected.still_valid` (never with
+    ``force``)."""
+    key = _collect_key(python)
+    with _collected_lock:
+        known = _collected.get(key)
+    if known is not None and not force and known.still_valid():
+        return known.manifest
+    started = time.time_ns()
+    manifest = _collect(python)
+    dirs, elf = {}, {}
+    try:
+        for path, (kind, _) in manifest.entries.items():
+            if kind == "dir":
+                dirs[path] = os.stat(path).st_mtime_ns
+        for path in manifest.elf_files():
+            elf[path] = _identity(os.stat(path))
+    except OSError:
+        return manifest  # changing under our feet: not kept
+    newest = max([*dirs.values(), *(ident[1] for ident in elf.values())], default=0)
+    if newest < started - RACY_NS:
+        with _collected_lock:
+            _collected[key] = _Collected(manifest, dirs, elf)
+    return manifest
+
+
 def _collect(python: str) -> _Manifest:
     manifest = _Manifest()
     manifest.add(python)
@@ -288,7 +358,7 @@ def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestI
     if not shutil.which("mkfs.erofs"):
         raise ImageError("building a guest image needs mkfs.erofs: apt-get install erofs-utils")
     with progress.task("collecting the Python environment", quiet=quiet, delay=1.0):
-        manifest = _collect(python)
+        manifest = _collect_memoised(python, force)
     digest = manifest.digest(
         [
             f"format {FORMAT}",
