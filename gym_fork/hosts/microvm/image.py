@@ -256,7 +256,9 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
 
 
 def _collect_key(python: str) -> tuple:
-    return (python, tuple(sys.path), os.getcwd(), sys.prefix, sys.base_prefix, PACKAGE_ROOT)
+    # Which sys.path entries exist too: one that appears is walked by a new collection.
+    paths = tuple((entry, os.path.isdir(entry)) for entry in sys.path if entry)
+    return (python, paths, os.getcwd(), sys.prefix, sys.base_prefix, PACKAGE_ROOT)
 
 
 def _collect_memoised(python: str, force: bool = False) -> _Manifest:
