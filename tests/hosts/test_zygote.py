@@ -18,6 +18,12 @@ from tests.helpers import _descendants, marked_processes, wait_until
 pytestmark = pytest.mark.process_only
 
 
+@pytest.fixture(autouse=True)
+def zygotes_on(monkeypatch):
+    """These tests are about the zygote, whatever the caller's GYM_FORK_ZYGOTE."""
+    monkeypatch.setenv("GYM_FORK_ZYGOTE", "1")
+
+
 class EnvironmentEnv(gym.Env):
     """Reports an environment variable as seen inside its sandbox."""
 

@@ -7,7 +7,6 @@ import hashlib
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -219,20 +218,7 @@ def _start_warm_parent(timeout: float | None) -> tuple[socket.socket, Any]:
     forked = zygote.fork_warm_parent(env, 60.0 if timeout is None else timeout)
     if forked is not None:
         return forked
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gym_fork.hosts.process.parent", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-    except BaseException:
-        ours.close()
-        raise
-    finally:
-        theirs.close()
-    return ours, process
+    return zygote.start_interpreter("gym_fork.hosts.process.parent", env)
 
 
 class ProcessHost(SharedByBranches):

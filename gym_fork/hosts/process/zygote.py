@@ -58,6 +58,25 @@ def zygote_key(env: dict[str, str]) -> tuple:
     return (sys.executable, tuple(chosen))
 
 
+def start_interpreter(module: str, env: dict[str, str]) -> tuple[socket.socket, subprocess.Popen]:
+    """``python -m module FD`` with ``env``, and our end of the socket whose other end
+    is FD in it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return ours, process
+
+
 class ForkedParent:
     """A warm parent forked by a zygote: the part of ``subprocess.Popen`` a host uses."""
 
@@ -102,19 +121,7 @@ class Zygote:
         self.key = zygote_key(env)
         self.owner = os.getpid()
         self._lock = threading.Lock()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gym_fork.hosts.process.zygote", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        ours, self.process = start_interpreter("gym_fork.hosts.process.zygote", env)
         self.sock: socket.socket | None = ours
         try:
             reply, fds = self._reply(timeout, "start")
