@@ -97,6 +97,7 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
     gate_read, gate_write = os.pipe()
     cores = len(os.sched_getaffinity(0)) or 1
     parts = max(1, min(cores, len(plan) // FORKS_PER_INTERMEDIATE))
+    crowded = len(plan) > cores
     intermediates = []
     for part in range(parts):
         pid = os.fork()
@@ -108,7 +109,7 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
                     if clone == 0:
                         os.close(write_end)
                         os.close(gate_write)
-                        _become_clone(worker, plan[k], branch_arg, capacity, gate_read)
+                        _become_clone(worker, plan[k], branch_arg, capacity, gate_read, crowded)
                     # 16 bytes < PIPE_BUF: writes from several intermediates never mix
                     os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
             finally:
@@ -133,7 +134,28 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
     return pids
 
 
-def _become_clone(worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate):
+def _first_wait_asleep(channel: Channel) -> None:
+    """Wait for the first request asleep (futex) instead of spinning first: in a fan-out
+    larger than the cores, the clones would otherwise spin while their siblings and the
+    controller need the cores to finish the branch. Later waits spin as usual."""
+    ring = channel.inbox
+    spin = ring.spin
+    ring.spin = 0
+    recv = channel.recv
+
+    def first_recv(*args, **kwargs):
+        try:
+            return recv(*args, **kwargs)
+        finally:
+            ring.spin = spin
+            del channel.recv  # the class's method again
+
+    channel.recv = first_recv
+
+
+def _become_clone(
+    worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate, crowded: bool
+) -> None:
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
     redirect_output(out_fd, err_fd)
 
@@ -165,6 +187,8 @@ def _become_clone(worker: ProcessWorker, clone: _Clone, branch_arg, capacity, ga
         child.attach(branch_arg)
         child.channel.send([P.HELLO, 0, child.identity(), None])
         _await_adoption(gate, worker.warm_parent)
+        if crowded:
+            _first_wait_asleep(child.channel)
         child.run()
 
     run_as_sandbox(body)
