@@ -104,6 +104,7 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
         if pid == 0:
             try:
                 os.close(read_end)
+                _release_source(worker)  # once here, not once in every clone
                 for k in range(part, len(plan), parts):
                     clone = os.fork()
                     if clone == 0:
@@ -134,6 +135,16 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
     return pids
 
 
+def _release_source(worker: ProcessWorker) -> None:
+    """In an intermediate, before it forks clones: let go of the source's channel,
+    socket and slab (not the clones'; nothing is written to them, only unmapped and
+    closed), so that no clone has them or spends time closing them."""
+    worker.channel.close()
+    worker.sock.close()
+    if worker.slab is not None:
+        worker.slab.close()
+
+
 def _first_wait_asleep(channel: Channel) -> None:
     """Wait for the first request asleep (futex) instead of spinning first: in a fan-out
     larger than the cores, the clones would otherwise spin while their siblings and the
@@ -162,11 +173,6 @@ def _become_clone(
     def body() -> None:
         for lo, hi in clone.others:
             os.closerange(lo, hi)
-        # Let go of the source's channel, socket and slab: they are not ours.
-        worker.channel.close()
-        worker.sock.close()
-        if worker.slab is not None:
-            worker.slab.close()
         slot = clone.slot
         origin = worker.origins[worker.slots.index(slot)]
         slot.index = clone.branch_index
