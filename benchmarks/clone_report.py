@@ -1,6 +1,6 @@
 """Clone time, fan-out and memory of gym_fork clones against cold starts (one run).
 
-    .venv/bin/python benchmarks/clone_report.py [--quick]
+    .venv/bin/python benchmarks/clone_report.py [--quick | --setup]
 
 For CartPole-v1 and a synthetic heavy env (benchmarks/heavy_env.py: 1.5 s of init,
 200 MB of touched state; with and without transparent huge pages):
@@ -8,6 +8,7 @@ For CartPole-v1 and a synthetic heavy env (benchmarks/heavy_env.py: 1.5 s of ini
   clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step
   fork      fork() of a running sub-env into a 1-env branch + first step
   fan-out   fork(copies=64) + one step of all 64
+  --setup   only a new sandbox's isolation set-up: time, CPU and page faults
   memory    PSS added by the 64 clones (after their first step: the PSS of the warm parent,
             source and clones minus that before the fan-out) against 64 x the PSS of one
             independent process holding the same env (nothing shared between those)
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from heavy_env import HeavyEnv
 
 from gym_fork.bench.clones import measure as _measure
-from gym_fork.bench.clones import pct
+from gym_fork.bench.clones import pct, sandbox_setup
 
 # The independent processes build the env from benchmarks/heavy_env.py, as this script does.
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +49,20 @@ def measure(name: str, make, expr: str, cold_runs: int, clone_runs: int) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer runs, 50 MB heavy env")
+    parser.add_argument(
+        "--setup", action="store_true", help="only a new sandbox's isolation set-up (root)"
+    )
     args = parser.parse_args()
+    if args.setup:
+        setup = sandbox_setup()
+        if setup is None:
+            sys.exit("no tree could be made here (the set-up needs root)")
+        print(
+            f"sandbox set-up (enter_sandbox + report, fork of a CartPole parent): "
+            f"{setup['wall_ms']:.2f} ms wall, {setup['cpu_ms']:.2f} ms CPU, "
+            f"{setup['faults']:.0f} page faults (medians of 40)"
+        )
+        return
     runs = 15 if args.quick else 50
     mb = 50 if args.quick else 200
     cases = [

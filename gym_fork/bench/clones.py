@@ -154,3 +154,74 @@ def measure(
 def steps_of(cold_runs: int, clone_runs: int, fan_sizes: Sequence[int], fan_repeats: int) -> int:
     """How many times :func:`measure` advances its bar."""
     return cold_runs + 2 * clone_runs + len(fan_sizes) * fan_repeats + 1
+
+
+def sandbox_setup(runs: int = 40) -> dict[str, float] | None:
+    """Isolation set-up of one new process sandbox, as the warm parent's fork does it:
+    ``enter_sandbox`` + its report in a fork of a prepared CartPole parent inside a tree
+    of its own. Medians of wall time (ms), CPU time (ms) and page faults (copy-on-write
+    and first touches); None where a tree cannot be made (needs root)."""
+    import contextlib
+    import gc
+    import os
+    import resource
+
+    import gymnasium as gym
+
+    from gym_fork.system import confine
+    from gym_fork.system.isolation import (
+        IsolationConfig,
+        become_tree_init,
+        enter_sandbox,
+        isolate_tree,
+    )
+
+    read, write = os.pipe()
+    helper = os.fork()
+    if helper == 0:  # the tree's creator; its first child is pid 1 of the tree
+        code = 1
+        try:
+            os.close(read)
+            config = IsolationConfig()
+            with contextlib.suppress(OSError):  # the sandboxes report it; still measured
+                confine.prepare_seccomp()
+            tree = isolate_tree(config, os.getpid())
+            init = os.fork()
+            if init:
+                code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
+            else:
+                try:
+                    become_tree_init(tree)
+                    env = gym.make("CartPole-v1")
+                    env.reset(seed=0)
+                    env.step(0)
+                    gc.collect()
+                    gc.freeze()
+                    for _ in range(runs):
+                        pid = os.fork()
+                        if pid == 0:
+                            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                            cpu, wall = time.process_time(), time.perf_counter()
+                            _, achieved = enter_sandbox(config, tree, os.getppid(), None)
+                            achieved.report()
+                            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                            os.write(write, f"{wall} {cpu} {faults}\n".encode())
+                            os._exit(0)
+                        os.waitpid(pid, 0)
+                    code = 0
+                finally:
+                    os._exit(code)
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        rows = [line.split() for line in pipe]
+    os.waitpid(helper, 0)
+    if not rows:
+        return None
+    return {
+        "wall_ms": statistics.median(float(r[0]) for r in rows) * 1e3,
+        "cpu_ms": statistics.median(float(r[1]) for r in rows) * 1e3,
+        "faults": statistics.median(int(r[2]) for r in rows),
+    }
