@@ -237,12 +237,15 @@ class Sandboxes:
         )
         for k, worker in zip(positions, fresh, strict=True):
             workers[k] = worker
-        for worker in old:
-            worker.watch.wait_dead(1.0)
-            worker.release()
-        if old_host is not None:
-            old_host.release()
-        self.receive_hellos(fresh)
+        try:
+            self.receive_hellos(fresh)
+        finally:
+            # After the HELLOs: the old sandboxes die while the new ones start.
+            for worker in old:
+                worker.watch.wait_dead(1.0)
+                worker.release()
+            if old_host is not None:
+                old_host.release()
         if self.lineage is not None and why != "reset_by_clone":  # resets would flood it
             self.lineage.tree.event(
                 self.lineage.branch_id,

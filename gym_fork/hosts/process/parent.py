@@ -32,6 +32,8 @@ import cloudpickle
 
 from gym_fork.hosts.base import prepare_failure
 from gym_fork.hosts.process import preimport
+from gym_fork.hosts.process.idle import IdlePool, await_assignment
+from gym_fork.hosts.process.idle import pool_size as idle_pool_size
 from gym_fork.hosts.process.sandbox import (
     FDS_PER_SANDBOX,
     redirect_output,
@@ -72,6 +74,7 @@ class WarmParent:
         self.tree_id = tree.tree_id or self.pid
         self.controller = controller  # a pidfd of the controller, -1 if none
         self.is_init = bool(tree.tree.get("pid"))
+        self.idle = IdlePool(idle_pool_size(), self._become_idle)
 
     def spawn(self, message: dict, fds: list[int]) -> list[int]:
         """Fork one worker per entry of ``message['workers']``; fds: FDS_PER_SANDBOX per
@@ -83,16 +86,21 @@ class WarmParent:
         sys.stdout.flush()
         sys.stderr.flush()
         attach = self.recipe.attach_arg(message.get("attach"))
+        self.reap()  # an idle sandbox that died is out of the pool
         pids = []
         for k, spec in enumerate(message["workers"]):
-            slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds[per * k : per * (k + 1)]
-            pid = os.fork()
+            own = fds[per * k : per * (k + 1)]
+            pid = self.idle.assign(spec, message.get("attach"), own)
             if pid == 0:
-                for fd in fds:
-                    if fd not in (slab_fd, channel_fd, sock_fd, out_fd, err_fd):
-                        os.close(fd)
-                redirect_output(out_fd, err_fd)
-                self._become_worker(spec, channel_fd, slab_fd, sock_fd, attach)
+                pid = os.fork()
+                if pid == 0:
+                    self.idle.close()
+                    for fd in fds:
+                        if fd not in own:
+                            os.close(fd)
+                    slab_fd, channel_fd, sock_fd, out_fd, err_fd = own
+                    redirect_output(out_fd, err_fd)
+                    self._become_worker(spec, channel_fd, slab_fd, sock_fd, attach)
             pids.append(pid)
             self.spawned.add(pid)
         for fd in fds:
@@ -148,6 +156,41 @@ class WarmParent:
             self.recipe.env_fns[0], enter, close, preimport.budget(), cleanup
         )
 
+    def _become_idle(self, sock: socket.socket, close: list[int]) -> None:
+        """An idle sandbox (gym_fork/hosts/process/idle.py): isolate now, then wait for
+        a spec and fds, then serve like any sandbox."""
+
+        def body() -> None:
+            linux.die_with_parent(self.pid)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.sock.close()
+            if self.controller >= 0:
+                os.close(self.controller)
+            for fd in close:
+                os.close(fd)
+            scratch, achieved = enter_sandbox(
+                self.isolation_config, self.tree_isolation, self.pid, None
+            )
+            message, fds = await_assignment(sock)
+            slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
+            redirect_output(out_fd, err_fd)
+            spec = message["spec"]
+            serve(
+                channel_fd,
+                spec["ring_capacity"],
+                slab_fd,
+                sock_fd,
+                spec,
+                self.recipe.make_env,
+                warm_parent=self.pid,
+                isolation=(self.isolation_config, self.tree_isolation),
+                attach=self.recipe.attach_arg(message.get("attach")),
+                entered=(scratch, achieved.report()),
+            )
+
+        run_as_sandbox(body)
+
     def reap(self) -> None:
         while True:
             try:
@@ -158,11 +201,13 @@ class WarmParent:
                 return
             self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
             self.spawned.discard(pid)
+            self.idle.forget(pid)
             remove_sandbox_scratch(self.tree_id, pid)
             cgroups.remove(self.tree_id, pid)
 
     def kill_children(self) -> None:
         """Kill and reap every sandbox, then remove the tree's cgroups and scratch."""
+        self.idle.close()  # idle sandboxes exit at EOF (and are killed below anyway)
         try:
             if self.is_init:
                 self._kill_namespace()
@@ -200,12 +245,18 @@ class WarmParent:
     def serve(self) -> None:
         """Answer the controller until it says exit, closes the socket or dies."""
         watched = [self.sock] + ([self.controller] if self.controller >= 0 else [])
+        refill_due = False
         while True:
-            readable, _, _ = select.select(watched, [], [], 0.2)
+            # The idle pool is refilled once no request came for a moment: a fork right
+            # after a reply would compete for a core with the sandbox just handed out.
+            readable, _, _ = select.select(watched, [], [], 0.01 if refill_due else 0.2)
             self.reap()
             if self.controller in readable:
                 return  # the controller is dead
             if not readable:
+                if refill_due:
+                    self.spawned.update(self.idle.fill())
+                    refill_due = False
                 continue
             try:
                 message, fds = recv_message(self.sock)
@@ -219,6 +270,8 @@ class WarmParent:
                     send_message(self.sock, {"op": "error", "error": repr(exc)})
                 else:
                     send_with_pidfds(self.sock, {"op": "spawned", "pids": pids}, pids)
+                    self.idle.note_request()
+                    refill_due = True
             elif op == "status":
                 self.reap()
                 code = self.exit_codes.get(message["pid"])

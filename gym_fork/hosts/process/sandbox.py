@@ -124,8 +124,12 @@ def serve(
     warm_parent: int,
     isolation: tuple[IsolationConfig, Any],
     attach: dict[str, Any] | None = None,
+    entered: tuple[str | None, dict[str, Any]] | None = None,
 ) -> None:
-    """Entry point of a spawned sandbox: isolate, attach the channel, build, serve."""
+    """Entry point of a spawned sandbox: isolate, attach the channel, build, serve.
+
+    ``entered``: (scratch dir, isolation report) of a sandbox that isolated itself
+    before it got its fds (an idle sandbox of the warm parent's pool)."""
     worker = ProcessWorker(
         Channel.attach(channel_fd, ring_capacity, spec["name"]),
         spec["indices"],
@@ -136,6 +140,9 @@ def serve(
         warm_parent,
         isolation,
     )
-    worker.enter_sandbox()
+    if entered is None:
+        worker.enter_sandbox()
+    else:
+        worker.scratch, worker.isolation = entered
     if worker.hello(attach):
         worker.run()
