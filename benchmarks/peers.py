@@ -528,6 +528,7 @@ def profile(steps: int = 3000, n: int = 8) -> None:
         _timed(envs, "_collect", totals, "  wait for the replies (_collect)")
         _timed(envs, "_add_info", totals, "  info merge (_add_info)")
         _timed(envs, "_observations_out", totals, "  observations out (gather/copy)")
+        _timed(envs.sandboxes.slabs, "step_columns", totals, "  rewards/terminations/truncations")
         started = time.perf_counter()
         for a in actions:
             envs.step(a)
@@ -541,6 +542,15 @@ def profile(steps: int = 3000, n: int = 8) -> None:
         print(f"ForkVectorEnv per vector step: {plain_us:.1f} us (timed run: {timed_us:.1f} us)")
         for label, total in totals.items():
             print(f"  {label:<40}{total / steps * 1e6:8.1f} us/step")
+        # The budget: what the controller computes, what the busiest worker computes (its
+        # sub-envs at the in-process step time), and the rest of the wait: hand-overs.
+        wait = totals.get("  wait for the replies (_collect)", 0.0) / steps * 1e6
+        own = timed_us - wait
+        busiest = max(len(w.indices) for w in pool.workers) * single_us
+        print("budget per vector step (timed run):")
+        print(f"  controller's own work (outside the wait) {own:8.1f} us")
+        print(f"  busiest worker's sub-envs (in-process)   {busiest:8.1f} us")
+        print(f"  hand-over, wake-ups, shared cores        {wait - busiest:8.1f} us")
         for per_worker in (n, n // 2, 1):
             print(
                 f"  envs_per_worker={per_worker}: {_per_step_us(per_worker, actions):.1f} us/step"

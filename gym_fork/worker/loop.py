@@ -190,7 +190,7 @@ class Worker:
                 errors.append(error_record(slot.index, exc))
         return [obs_out, infos], errors
 
-    def step(self, arg: list[Any] | None) -> tuple[list[Any], list[Any]]:
+    def step(self, arg: list[Any] | None) -> tuple[list[Any], list[Any] | None]:
         """Step every sub-env: actions from the slab (``arg`` None) or from the request."""
         slab = self.slab
         n = len(self.slots)
