@@ -284,6 +284,12 @@ def _(space: spaces.Tuple, n: int):
     return None if any(c is None for c in items) else _TupleNode(space, items)
 
 
+# Built once (every sandbox's slab has these columns): a space per slab cost each new
+# sandbox ~100 page faults and part of its HELLO.
+_REWARD_SPACE = spaces.Box(-np.inf, np.inf, (), np.float64)
+_FLAG_SPACE = spaces.MultiBinary(())
+
+
 class Slab:
     """The batch slab of one vector env, over a shared :class:`Region`.
 
@@ -311,10 +317,10 @@ class Slab:
         self.num_envs = num_envs
         self.observations = slab_node(observation_space, num_envs) if use_observations else None
         self.actions = slab_node(action_space, num_envs)
-        self.rewards_leaf = _ArrayLeaf(spaces.Box(-np.inf, np.inf, (), np.float64), num_envs)
-        self.terminations_leaf = _ArrayLeaf(spaces.MultiBinary(()), num_envs)
+        self.rewards_leaf = _ArrayLeaf(_REWARD_SPACE, num_envs)
+        self.terminations_leaf = _ArrayLeaf(_FLAG_SPACE, num_envs)
         self.terminations_leaf.dtype = np.dtype(np.bool_)
-        self.truncations_leaf = _ArrayLeaf(spaces.MultiBinary(()), num_envs)
+        self.truncations_leaf = _ArrayLeaf(_FLAG_SPACE, num_envs)
         self.truncations_leaf.dtype = np.dtype(np.bool_)
         parts = [self.rewards_leaf, self.terminations_leaf, self.truncations_leaf]
         parts += [p for p in (self.observations, self.actions) if p is not None]
