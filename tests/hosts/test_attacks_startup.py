@@ -2,15 +2,20 @@
 build and the idle pool, done from inside a sandbox (as a buggy or hostile env would)
 or from the controller's side. Each test passes when the system defends.
 
-Attacks that succeeded when these were written are not here (a failing test is no
-use in the suite); they are described in the review report.
+The last group succeeded when first tried (the pre-import build made the warm parent
+import a module it wrote; a reported ``pkg.__main__`` ran a program; a fork during
+``prestart`` deadlocked; umask/rlimits/affinity/nice were the zygote's; idle sandboxes'
+scratch dirs and daemons of the build outlived a warm parent without namespaces); each
+is defended since.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -462,3 +467,246 @@ def test_a_controller_sigkilled_while_its_zygote_forks_leaves_nothing(delay):
         kill_marked(controller.pid)
     assert wait_until(lambda: gym_fork_scratch_dirs() <= scratch_before, 10.0)
     assert wait_until(lambda: gym_fork_cgroups() <= cgroups_before, 10.0)
+
+
+# -- attacks that succeeded when first tried, and are defended since ------------------------
+# Each runs its controller in a subprocess (a changed umask or rlimit, a deadlock, must not
+# touch the pytest process) or removes what it planted.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(script: str, timeout: float = 120, cwd: str = ROOT) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "GYM_FORK_ZYGOTE": "1", "PYTHONPATH": ROOT},
+    )
+    return proc.stdout + proc.stderr
+
+
+PAYLOAD = """
+import os, ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if os.readlink("/proc/self/fd/" + fd) == "anon_inode:[pidfd]":
+            if libc.setns(int(fd), 0x40000000) == 0:  # CLONE_NEWNET of the controller
+                s = socket.create_connection(("127.0.0.1", PORT), timeout=5)
+                s.sendall(("escaped: pid %d CapEff %s Seccomp %s" % (
+                    os.getpid(), status["CapEff"].strip(), status["Seccomp"].strip())).encode())
+                s.close()
+    except OSError:
+        pass
+"""
+
+
+def test_the_throwaway_build_cannot_make_the_warm_parent_run_code_it_wrote():
+    """The pre-import build (confined, no network) writes NAME.py into a directory on
+    sys.path outside /tmp (a user's project dir, site-packages: root-writable) and
+    reports NAME; the warm parent (pid 1 of the tree, all capabilities, no seccomp,
+    holding a pidfd of the controller) imports it. The payload setns()es through that
+    pidfd into the controller's network namespace and connects to a listener on the
+    host's loopback: a full escape of the confinement."""
+    directory = f"/var/tmp/gf_attack_{uuid.uuid4().hex[:8]}"
+    os.makedirs(directory)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(20)
+    port = listener.getsockname()[1]
+    try:
+        payload = PAYLOAD.replace("PORT", str(port))
+        out = run(f"""
+            import os, sys
+            sys.path.insert(0, {directory!r})
+            import gymnasium as gym
+            from gym_fork import ForkVectorEnv
+            NAME = "gf_attack_payload"
+            PAYLOAD = {payload!r}
+            def hostile():
+                with open(os.path.join({directory!r}, NAME + ".py"), "w") as f:
+                    f.write(PAYLOAD)
+                sys.modules[NAME] = sys  # reported as a module the build imported
+                return gym.make("CartPole-v1")
+            envs = ForkVectorEnv([hostile], network=False)
+            envs.reset(seed=0)
+            envs.close()
+        """)
+        try:
+            conn, _ = listener.accept()
+            got = conn.recv(200)
+            conn.close()
+        except OSError:
+            got = b""
+        assert "Traceback" not in out, out[-2000:]
+        assert got == b"", f"the warm parent ran the sandbox's code: {got!r}\n{out}"
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", ["unittest.__main__", "venv.__main__"])
+def test_a_reported_name_cannot_run_a_program_or_kill_the_warm_parent(name, tmp_path):
+    """Existing modules with import-time side effects: a ``__main__`` submodule runs
+    a program in the warm parent (unittest discovers and runs tests, venv creates a
+    virtual environment in the cwd) and then raises SystemExit, which import_all's
+    ``except Exception`` let through: the warm parent died, construction failed.
+    (From the repository root venv.__main__ once left a virtual environment named
+    after the zygote's socket fd, ./7, in the controller's working directory.)"""
+    out = run(
+        cwd=str(tmp_path),
+        script=f"""
+        import sys
+        import gymnasium as gym
+        from gym_fork import ForkVectorEnv
+        def hostile():
+            sys.modules[{name!r}] = sys
+            return gym.make("CartPole-v1")
+        envs = ForkVectorEnv([hostile])
+        envs.reset(seed=0)
+        envs.close()
+        print("CONSTRUCTED")
+    """,
+    )
+    assert "CONSTRUCTED" in out, out[-2000:]
+
+
+def test_a_fork_of_the_controller_during_prestart_can_build_envs():
+    """prestart() starts the zygote in a thread that holds zygote._registry_lock for
+    the whole start (~0.3 s, more under load). A controller that forks meanwhile (a
+    multiprocessing 'fork' worker, a data loader) inherits the lock held, and its
+    first ForkVectorEnv blocks in _zygote_for forever."""
+    out = run("""
+        import os, sys, time, signal
+        import gymnasium as gym
+        import gym_fork
+        from gym_fork import ForkVectorEnv
+        os.environ["PYTHONATTACKKEY"] = "prestart-fork"
+        gym_fork.prestart()
+        time.sleep(0.05)
+        pid = os.fork()
+        if pid == 0:
+            envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")])
+            envs.reset(seed=0); envs.close()
+            os._exit(0)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                print("CHILD DONE"); break
+            time.sleep(0.1)
+        else:
+            print("CHILD HUNG"); os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)
+    """)
+    assert "CHILD DONE" in out, out[-2000:]
+
+
+def test_a_zygote_forked_warm_parent_has_the_controllers_current_process_state():
+    """The docs: a forked warm parent 'runs exactly what a fresh one runs with the
+    controller's current environment'. Only os.environ is passed: umask, rlimits
+    (a controller that lowers RLIMIT_NOFILE/AS/CORE to bound its children), CPU
+    affinity, nice and locale (LC_ALL, not in the zygote key) are the zygote's, from
+    the controller's state when the zygote started. (By the same path a controller
+    that drops root after the zygote started would get root warm parents.)"""
+    out = run("""
+        import os, sys, resource, locale
+        import gymnasium as gym
+        import gym_fork
+        from gym_fork import ForkVectorEnv
+        class E(gym.Env):
+            observation_space = gym.spaces.Discrete(2); action_space = gym.spaces.Discrete(2)
+            def reset(self, *, seed=None, options=None): return 0, {}
+            def step(self, a): return 0, 0.0, False, False, {}
+            def probe(self):
+                u = os.umask(0); os.umask(u)
+                return (oct(u), resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                        sorted(os.sched_getaffinity(0)), os.nice(0))
+        gym_fork.prestart(wait=True)
+        os.umask(0o077)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000))
+        os.sched_setaffinity(0, {0})
+        os.nice(3)
+        import contextlib
+        with contextlib.closing(ForkVectorEnv([E], private_tmp=False)) as envs:
+            print("SANDBOX", envs.call("probe")[0])
+        print("CONTROLLER", (oct(0o077), 1000, [0], 3))
+    """)
+    lines = dict(
+        line.split(" ", 1)
+        for line in out.splitlines()
+        if line.startswith(("SANDBOX", "CONTROLLER"))
+    )
+    assert "SANDBOX" in lines, out[-2000:]
+    assert lines["SANDBOX"] == lines["CONTROLLER"], out[-2000:]
+
+
+def test_idle_sandboxes_scratch_dirs_do_not_outlive_a_sigkilled_warm_parent():
+    """namespaces=False: each sandbox has a host scratch dir as TMPDIR. The controller
+    removes a dead worker's (it learnt it from the HELLO), the warm parent an idle
+    one's when it reaps it; a SIGKILLed warm parent reaps nothing, and nobody else
+    knows the idle sandboxes' dirs: /tmp/gym_fork-scratch-<tree>-<idle pid>-* stay.
+    (GYM_FORK_IDLE_SANDBOXES=0: nothing leaks.)"""
+    out = run("""
+        import os, time, tempfile
+        import numpy as np
+        import gymnasium as gym
+        from gym_fork import ForkVectorEnv
+        os.environ["GYM_FORK_IDLE_SANDBOXES"] = "2"
+        def dirs():
+            names = os.listdir(tempfile.gettempdir())
+            return {n for n in names if n.startswith("gym_fork-scratch-")}
+        before = dirs()
+        envs = ForkVectorEnv.from_parent(lambda: gym.make("CartPole-v1"), 2, namespaces=False)
+        envs.reset(seed=0); envs.reset(seed=1)
+        time.sleep(1.5)  # the pool fills
+        os.kill(envs.sandboxes.host.pid, 9); time.sleep(1)
+        try: envs.step(np.zeros(2, dtype=int))
+        except Exception: pass
+        envs.reset(seed=2); envs.close(); time.sleep(2)
+        left = dirs() - before
+        print("LEAKED", sorted(left))
+        import shutil
+        for n in left: shutil.rmtree(os.path.join(tempfile.gettempdir(), n), ignore_errors=True)
+    """)
+    assert "LEAKED []" in out, out[-2000:]
+
+
+def test_a_daemon_of_the_throwaway_build_does_not_outlive_close_without_namespaces():
+    """namespaces=False: the pre-import build (or any sandbox) double-forks a setsid
+    daemon; the warm parent (a subreaper, not a pid-namespace init) kills only the
+    sandboxes it spawned at exit: the daemon survives close() and the controller.
+    Not specific to the new code (a worker's daemon survives the same way)."""
+    out = run("""
+        import os, sys, time
+        import gymnasium as gym
+        from gym_fork import ForkVectorEnv
+        os.environ["GYM_FORK_PREIMPORT_SECONDS"] = "0.5"
+        def env():
+            fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+            links = [os.readlink(fd) for fd in fds if os.path.exists(fd)]
+            if not any(link.startswith("/memfd:") for link in links):
+                if os.fork() == 0:
+                    os.setsid(); time.sleep(30); os._exit(0)
+            return gym.make("CartPole-v1")
+        import contextlib
+        with contextlib.closing(ForkVectorEnv([env], namespaces=False)) as envs:
+            envs.reset(seed=0)
+        time.sleep(1.5)
+        me = f"GYM_FORK_SANDBOX={os.getpid()}".encode()
+        left = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try: environ = open(f"/proc/{p}/environ", "rb").read()
+                except OSError: continue
+                if b"\\0" + me + b"\\0" in b"\\0" + environ:
+                    left.append(int(p))
+        from gym_fork.hosts.process import zygote
+        left = [p for p in left if p not in {z for z, _ in zygote.running()}]
+        print("LEFT", left)
+        for p in left: os.kill(p, 9)
+    """)
+    assert "LEFT []" in out, out[-2000:]

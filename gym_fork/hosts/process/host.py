@@ -32,6 +32,7 @@ from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
+from gym_fork.system.scratch import sweep
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
 from gym_fork.worker import protocol as P
@@ -183,17 +184,24 @@ class EnvModules:
     def __init__(self) -> None:
         self._by_digest: dict[bytes, list[str]] = {}
 
-    def known(self, env_fns: bytes) -> list[str] | None:
+    def known(self, env_fns: bytes) -> dict[str, Any] | None:
+        """{"modules": names, "since": when they were vetted}, None if not learnt."""
         return self._by_digest.get(hashlib.sha256(env_fns).digest())
 
-    def learn(self, env_fns: bytes, names: Any) -> None:
+    def learn(self, env_fns: bytes, learnt: Any) -> None:
+        """Keep what a warm parent imported for ``env_fns`` (its reply, checked)."""
+        if not isinstance(learnt, dict):
+            return
+        names, since = learnt.get("names"), learnt.get("since")
         if not isinstance(names, list) or len(names) > self.MAX_NAMES:
             return
-        if not all(isinstance(n, str) and preimport.is_module_name(n) for n in names):
+        if not isinstance(since, float) or not all(
+            isinstance(n, str) and preimport.is_module_name(n) for n in names
+        ):
             return
         if len(self._by_digest) >= self.MAX_ENTRIES:
             self._by_digest.pop(next(iter(self._by_digest)))
-        self._by_digest[hashlib.sha256(env_fns).digest()] = names
+        self._by_digest[hashlib.sha256(env_fns).digest()] = {"modules": names, "since": since}
 
 
 _env_modules = EnvModules()
@@ -244,7 +252,7 @@ class ProcessHost(SharedByBranches):
         try:
             message = init_message(config)
             known = _env_modules.known(message["env_fns"]) if config.trusted else None
-            message["preimport"] = {"enabled": config.trusted, "modules": known}
+            message["preimport"] = {"enabled": config.trusted, **(known or {})}
             message["controller_pid"] = os.getpid()
             message["die_with_controller"] = threading.current_thread() is threading.main_thread()
             message["isolation"] = cloudpickle.dumps(config.isolation)
@@ -444,8 +452,10 @@ class ProcessHost(SharedByBranches):
             except subprocess.TimeoutExpired:
                 self.process.kill()  # its tree's init dies with it (PDEATHSIG)
                 self.process.wait()
-            # It removes its tree's groups itself, unless it had to be killed.
+            # It removes its tree's groups and scratch dirs itself, unless it was killed
+            # (its tree is named by its host pid).
             cgroups.remove_tree(self.process.pid)
+            sweep(self.process.pid)
         if self.watch is not None:
             self.watch.close()
             self.watch = None

@@ -131,30 +131,39 @@ class WarmParent:
 
         run_as_sandbox(body)
 
-    def preimport(self, request: dict) -> list[str] | None:
+    def preimport(self, request: dict) -> dict | None:
         """Import what building ``env_fns[0]`` imports, so that sandboxes share those
         modules (gym_fork/hosts/process/preimport.py): the names the controller already
-        knows, or those a throw-away sandbox reports. Returns the names, None if off."""
+        knows (vetted against the time they were learnt), or those a throw-away sandbox
+        reports. Returns {"names", "since"} for the controller to keep, None if off or
+        nothing was learnt."""
         if not (request.get("enabled") and preimport.enabled()):
             return None
         if not self.recipe.builds_in_sandbox():
             return None
-        known = request.get("modules")
-        if isinstance(known, list):
-            return preimport.import_all(known)
+        known, since = request.get("modules"), request.get("since")
+        if isinstance(known, list) and isinstance(since, float):
+            preimport.import_all(known, since)
+            return None
 
         def enter() -> None:
             linux.die_with_parent(self.pid)
             enter_sandbox(self.isolation_config, self.tree_isolation, self.pid, None)
 
         def cleanup(pid: int) -> None:
+            # No sandbox exists yet: whatever else runs in the tree is the build's.
+            if self.is_init:
+                self._kill_namespace()
+            else:
+                self._kill_children()
             remove_sandbox_scratch(self.tree_id, pid)
             cgroups.remove(self.tree_id, pid)
 
         close = [self.sock.fileno()] + ([self.controller] if self.controller >= 0 else [])
-        return preimport.preimport(
+        learnt = preimport.preimport(
             self.recipe.env_fns[0], enter, close, preimport.budget(), cleanup
         )
+        return None if learnt is None else {"names": learnt[0], "since": learnt[1]}
 
     def _become_idle(self, sock: socket.socket, close: list[int]) -> None:
         """An idle sandbox (gym_fork/hosts/process/idle.py): isolate now, then wait for
@@ -231,14 +240,17 @@ class WarmParent:
             self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
 
     def _kill_children(self) -> None:
-        # Sandboxes adopted from workers die with us through their PDEATHSIG; the ones
-        # we forked ourselves are killed and reaped here.
-        for pid in list(self.spawned):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # Without a pid namespace this process is a child subreaper: every orphan of the
+        # tree (a clone, a daemon an env started, what a killed sandbox left) is a child
+        # of ours, so killing all our children, round after round while killed
+        # sandboxes' children are reparented to us, leaves nothing of the tree.
         for _ in range(50):
+            targets = self.spawned | _children_of(self.pid)
+            for pid in targets:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.reap()
-            if not self.spawned:
+            if not targets:
                 return
             select.select([], [], [], 0.01)
 
@@ -278,6 +290,18 @@ class WarmParent:
                 send_message(self.sock, {"op": "status", "code": code})
             elif op == "exit":
                 return
+
+
+def _children_of(parent: int) -> set[int]:
+    """Live (not yet reaped) children of ``parent``, from /proc."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent and fields[0] != "Z":
+                    children.add(int(entry))
+    return children
 
 
 def _watch_controller(pid: int) -> int:

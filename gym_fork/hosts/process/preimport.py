@@ -22,11 +22,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import importlib.abc
+import importlib.util
 import os
 import re
 import select
 import signal
+import stat
 import sys
+import sysconfig
 import time
 import warnings
 from collections.abc import Callable
@@ -52,11 +56,15 @@ def preimport(
     close_in_child: list[int],
     timeout: float,
     cleanup: Callable[[int], None],
-) -> list[str]:
+) -> tuple[list[str], float] | None:
     """Build one env in a throw-away sandbox and import what it imported; returns the
-    names imported here. ``enter_sandbox`` isolates and confines the child,
-    ``close_in_child`` are fds it must not keep (the controller's socket), ``cleanup(pid)``
-    removes what the child's sandbox left (scratch, cgroups) once it is reaped."""
+    names imported here and the time the build started (what they were vetted against),
+    or None when the build failed or was too slow (nothing learnt). ``enter_sandbox``
+    isolates and confines the child, ``close_in_child`` are fds it must not keep (the
+    controller's socket), ``cleanup(pid)`` kills whatever the child left running and
+    removes its scratch and cgroups once it is reaped: nothing of the build may run while
+    the warm parent vets and imports."""
+    since = time.time()
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -74,9 +82,9 @@ def preimport(
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         cleanup(pid)
-    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
-        return []  # it failed or was too slow: the sandboxes import on their own
-    return _import_all(report)
+    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0 or not report:
+        return None  # it failed or was too slow: the sandboxes import on their own
+    return _import_all(report, since), since
 
 
 def _child(build, enter_sandbox, close_in_child: list[int], write_end: int) -> None:
@@ -122,30 +130,113 @@ def _read_report(fd: int, deadline: float) -> bytes:
 
 
 def is_module_name(name: str) -> bool:
-    """A dotted Python module name (nothing else is ever imported)."""
-    return len(name) <= 512 and _MODULE_NAME.fullmatch(name) is not None
+    """A dotted Python module name, none of whose parts is ``__main__`` (importing
+    ``pkg.__main__`` runs a program)."""
+    return (
+        len(name) <= 512
+        and _MODULE_NAME.fullmatch(name) is not None
+        and "__main__" not in name.split(".")
+    )
 
 
-def import_all(names: list[str]) -> list[str]:
-    """Import each of ``names`` not imported yet (skipping any that fails); returns the
-    names asked for that are valid module names (what a later warm parent should import)."""
-    valid = [n for n in names if isinstance(n, str) and is_module_name(n) and n != "__main__"]
-    fresh = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecated aliases warn once, in the sandboxes
-        for name in valid:
-            if name in sys.modules:
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception:
-                continue
-            fresh = True
-    if fresh:
+def import_all(names: list[str], since: float) -> list[str]:
+    """Import each of ``names`` that passes :func:`_wanted`, under :class:`_OnlyOlderFiles`
+    (skipping any that fails in any way); returns the names imported here, in order (what
+    a later warm parent of the same env_fns may import again, against the same ``since``)."""
+    imported = []
+    guard = _OnlyOlderFiles(since)
+    sys.meta_path.insert(0, guard)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated aliases warn in the sandboxes
+            for name in names:
+                if not _wanted(name):
+                    continue
+                try:
+                    importlib.import_module(name)
+                except BaseException:
+                    sys.modules.pop(name, None)
+                    continue
+                imported.append(name)
+    finally:
+        sys.meta_path.remove(guard)
+    if imported:
         gc.collect()
         gc.freeze()
-    return valid
+    return imported
 
 
-def _import_all(report: bytes) -> list[str]:
-    return import_all(report.decode("utf-8", "replace").split("\n"))
+def _wanted(name: object) -> bool:
+    """A name worth importing: valid, not imported yet, its parent package imported
+    already, and not the standard library's (small, and some of its modules act when
+    imported: ``antigravity``, ``this``; the sandboxes import those themselves)."""
+    if not isinstance(name, str) or not is_module_name(name) or name in sys.modules:
+        return False
+    parent = name.rpartition(".")[0]
+    if parent and parent not in sys.modules:
+        return False
+    if parent:
+        return True  # the package was vetted (or imported before); its file is checked
+    try:
+        spec = importlib.util.find_spec(name)
+    except BaseException:
+        return False
+    return spec is not None and spec.has_location and not _in_stdlib(spec.origin or "")
+
+
+class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
+    """While the warm parent pre-imports: every module it loads (the names asked for and
+    whatever they import) must come from files whose status changed before ``since``.
+
+    The names come from env code running as root: it could write a module where the warm
+    parent would find it, or bytecode for an existing one. A write, a rename and ``utime``
+    all set a file's ctime, and nothing in a sandbox can set it back (that needs the
+    clock: CAP_SYS_TIME). A cached bytecode file newer than ``since`` (the build may have
+    written it) is removed, so that the checked source is compiled instead."""
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+
+    def find_spec(self, name, path, target=None):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.has_location and not self._older(spec.origin, spec.cached):
+            raise ImportError(f"{name}: its file changed after the pre-import build started")
+        return spec
+
+    def _older(self, origin: str | None, cached: str | None) -> bool:
+        try:
+            status = os.stat(origin)
+        except (OSError, TypeError):
+            return False
+        if not stat.S_ISREG(status.st_mode) or status.st_ctime >= self.since:
+            return False
+        if cached and cached != origin:
+            try:
+                if os.stat(cached).st_ctime >= self.since:
+                    os.unlink(cached)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        return True
+
+
+def _in_stdlib(path: str) -> bool:
+    parts = path.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    paths = sysconfig.get_paths()
+    return any(
+        path.startswith(os.path.realpath(paths[key]) + os.sep) for key in ("stdlib", "platstdlib")
+    )
+
+
+def _import_all(report: bytes, since: float) -> list[str]:
+    return import_all(report.decode("utf-8", "replace").split("\n"), since)

@@ -23,12 +23,14 @@ import atexit
 import contextlib
 import gc
 import os
+import resource
 import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -38,7 +40,7 @@ from gym_fork.transport.control import recv_message, send_message
 
 # A zygote is rebuilt when one of these differs: they are read while an interpreter
 # starts or while the modules it pre-imports load (GYM_FORK_SPIN by the ring module).
-_KEY_PREFIXES = ("PYTHON", "LD_", "GYM_FORK_", "MALLOC_")
+_KEY_PREFIXES = ("PYTHON", "LD_", "GYM_FORK_", "MALLOC_", "LC_", "LANG")
 _KEY_SUFFIXES = ("_NUM_THREADS",)
 # Zygotes kept at once (one per set of start-up inputs); older ones are retired.
 MAX_ZYGOTES = 2
@@ -55,7 +57,44 @@ def zygote_key(env: dict[str, str]) -> tuple:
     chosen = sorted(
         (k, v) for k, v in env.items() if k.startswith(_KEY_PREFIXES) or k.endswith(_KEY_SUFFIXES)
     )
-    return (sys.executable, tuple(chosen))
+    ids = (os.getuid(), os.geteuid(), os.getgid(), os.getegid(), tuple(os.getgroups()))
+    return (sys.executable, ids, tuple(chosen))
+
+
+def process_state() -> dict[str, Any]:
+    """What a fresh interpreter would inherit from the controller besides its
+    environment, as it is now: a zygote started earlier passes it to each warm parent."""
+    umask = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            with contextlib.suppress(OSError, ValueError):
+                limits[name] = list(resource.getrlimit(getattr(resource, name)))
+    return {
+        "umask": umask,
+        "rlimits": limits,
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    }
+
+
+def apply_process_state(state: dict[str, Any]) -> None:
+    """In a warm parent forked by a zygote: take on the controller's process state
+    (each part best effort: a limit the zygote cannot set is left as it is)."""
+    if isinstance(state.get("umask"), int):
+        os.umask(state["umask"])
+    for name, (soft, hard) in (state.get("rlimits") or {}).items():
+        if name.startswith("RLIMIT_") and hasattr(resource, name):
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        os.sched_setaffinity(0, state["affinity"])
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        os.setpriority(os.PRIO_PROCESS, 0, state["nice"])
 
 
 def start_interpreter(module: str, env: dict[str, str]) -> tuple[socket.socket, subprocess.Popen]:
@@ -119,7 +158,6 @@ class Zygote:
 
     def __init__(self, env: dict[str, str], timeout: float) -> None:
         self.key = zygote_key(env)
-        self.owner = os.getpid()
         self._lock = threading.Lock()
         ours, self.process = start_interpreter("gym_fork.hosts.process.zygote", env)
         self.sock: socket.socket | None = ours
@@ -132,19 +170,29 @@ class Zygote:
             self.close()
             raise
 
-    def _reply(self, timeout: float | None, what: str) -> tuple[dict, list[int]]:
-        if self.sock is None:
-            raise SandboxStartError(f"zygote {what}: closed")
-        if not wait_readable(self.sock.fileno(), timeout):
-            raise SandboxStartError(f"zygote {what}: no answer within {timeout} s")
-        try:
-            reply, fds = recv_message(self.sock)
-        except (EOFError, ConnectionError) as exc:
-            raise SandboxStartError(f"zygote {what}: it died") from exc
-        if not isinstance(reply, dict):
-            _close_all(fds)
-            raise SandboxStartError(f"zygote {what}: malformed answer")
-        return reply, fds
+    def _reply(
+        self, timeout: float | None, what: str, status_of: int | None = None
+    ) -> tuple[dict, list[int]]:
+        """The next answer; a status answer that is not about ``status_of`` (a late one,
+        after its request timed out) is dropped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.sock is None:
+                raise SandboxStartError(f"zygote {what}: closed")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not wait_readable(self.sock.fileno(), left):
+                raise SandboxStartError(f"zygote {what}: no answer within {timeout} s")
+            try:
+                reply, fds = recv_message(self.sock)
+            except (EOFError, ConnectionError) as exc:
+                raise SandboxStartError(f"zygote {what}: it died") from exc
+            if not isinstance(reply, dict):
+                _close_all(fds)
+                raise SandboxStartError(f"zygote {what}: malformed answer")
+            if reply.get("op") == "status" and reply.get("pid") != status_of:
+                _close_all(fds)
+                continue
+            return reply, fds
 
     def alive(self) -> bool:
         return self.sock is not None and self.process.poll() is None
@@ -161,7 +209,7 @@ class Zygote:
                     raise SandboxStartError("zygote fork: closed")
                 send_message(
                     self.sock,
-                    {"op": "fork", "environ": environ},
+                    {"op": "fork", "environ": environ, "state": process_state()},
                     fds=(theirs.fileno(), out_fd, err_fd),
                 )
                 reply, fds = self._reply(timeout, "fork")
@@ -189,7 +237,7 @@ class Zygote:
         with self._lock:
             try:
                 send_message(self.sock, {"op": "status", "pid": pid})
-                reply, fds = self._reply(2.0, "status")
+                reply, fds = self._reply(2.0, "status", status_of=pid)
             except (OSError, SandboxStartError, TypeError, AttributeError):
                 return None
         _close_all(fds)
@@ -237,6 +285,7 @@ def _close_all(fds: list[int]) -> None:
 # -- the controller's zygotes -----------------------------------------------------------
 
 _zygotes: dict[tuple, Zygote] = {}
+_starting: dict[tuple, threading.Event] = {}
 _registry_lock = threading.Lock()
 
 
@@ -260,20 +309,35 @@ def fork_warm_parent(
 
 
 def _zygote_for(env: dict[str, str], timeout: float) -> Zygote:
-    """The live zygote for ``env``'s key, started if there is none (older ones retired)."""
+    """The live zygote for ``env``'s key, started if there is none (older ones retired).
+
+    A zygote starts outside the registry lock (a fork of this process meanwhile must not
+    inherit a held lock); threads that need the same key wait for the one starting it."""
+    key = zygote_key(env)
+    while True:
+        with _registry_lock:
+            zygote = _zygotes.get(key)
+            if zygote is not None and not zygote.alive():
+                _zygotes.pop(key).close()
+                zygote = None
+            if zygote is not None:
+                return zygote
+            starting = _starting.get(key)
+            if starting is None:
+                starting = _starting[key] = threading.Event()
+                break
+        starting.wait(timeout)  # another thread is starting it: then look again
+    try:
+        zygote = Zygote(env, timeout)
+    finally:
+        with _registry_lock:
+            _starting.pop(key, None)
+        starting.set()
     with _registry_lock:
-        _forget_inherited()
-        key = zygote_key(env)
-        zygote = _zygotes.get(key)
-        if zygote is not None and not zygote.alive():
-            _zygotes.pop(key).close()
-            zygote = None
-        if zygote is None:
-            zygote = Zygote(env, timeout)
-            _zygotes[key] = zygote
-            while len(_zygotes) > MAX_ZYGOTES:
-                _zygotes.pop(next(iter(_zygotes))).retire()
-        return zygote
+        _zygotes[key] = zygote
+        while len(_zygotes) > MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).retire()
+    return zygote
 
 
 def prestart(wait: bool = False) -> None:
@@ -298,11 +362,7 @@ def running() -> list[tuple[int, int]]:
     """(pid, controller-side socket fd) of this process's live zygotes: tests leave
     them out of their leak checks, since a zygote lives as long as its controller."""
     with _registry_lock:
-        return [
-            (z.process.pid, z.sock.fileno())
-            for z in _zygotes.values()
-            if z.sock is not None and z.owner == os.getpid()
-        ]
+        return [(z.process.pid, z.sock.fileno()) for z in _zygotes.values() if z.sock is not None]
 
 
 def shutdown() -> None:
@@ -311,20 +371,24 @@ def shutdown() -> None:
         zygotes = list(_zygotes.values())
         _zygotes.clear()
     for zygote in zygotes:
-        if zygote.owner == os.getpid():
-            zygote.close()
+        zygote.close()
 
 
-def _forget_inherited() -> None:
-    # In a fork of the controller the zygotes are the parent's: leave them to it.
-    for key, zygote in list(_zygotes.items()):
-        if zygote.owner != os.getpid():
-            del _zygotes[key]
-            if zygote.sock is not None:
-                zygote.sock.detach()  # not ours to close politely; drop the number
-                zygote.sock = None
+def _after_fork_in_child() -> None:
+    """In a fork of the controller: the zygotes (and any start in progress, and the
+    lock's state) are the parent's. Drop them; this process starts its own if it needs
+    one."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _starting.clear()
+    for zygote in _zygotes.values():
+        if zygote.sock is not None:
+            zygote.sock.close()  # our copy only: the parent's stays connected
+            zygote.sock = None
+    _zygotes.clear()
 
 
+os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(shutdown)
 
 
@@ -376,10 +440,11 @@ class _ZygoteProcess:
     def handle(self, message: Any, fds: list[int]) -> None:
         op = message.get("op") if isinstance(message, dict) else None
         if op == "fork" and len(fds) == 3 and not self.retired:
-            self.fork(message.get("environ") or {}, *fds)
+            self.fork(message.get("environ") or {}, message.get("state") or {}, *fds)
         elif op == "status":
             _close_all(fds)
-            send_message(self.sock, {"op": "status", "code": self.exit_codes.get(message["pid"])})
+            pid = message.get("pid")
+            send_message(self.sock, {"op": "status", "pid": pid, "code": self.exit_codes.get(pid)})
         elif op == "retire":
             _close_all(fds)
             self.retired = True
@@ -387,7 +452,14 @@ class _ZygoteProcess:
             _close_all(fds)
             send_message(self.sock, {"op": "error", "error": f"zygote: refused {op!r}"})
 
-    def fork(self, environ: dict[str, str], parent_end: int, out_fd: int, err_fd: int) -> None:
+    def fork(
+        self,
+        environ: dict[str, str],
+        state: dict[str, Any],
+        parent_end: int,
+        out_fd: int,
+        err_fd: int,
+    ) -> None:
         from gym_fork.hosts.process.sandbox import send_with_pidfds
 
         sys.stdout.flush()
@@ -395,13 +467,19 @@ class _ZygoteProcess:
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._become_warm_parent(me, environ, parent_end, out_fd, err_fd)
+            self._become_warm_parent(me, environ, state, parent_end, out_fd, err_fd)
         _close_all([parent_end, out_fd, err_fd])
         self.children.add(pid)
         send_with_pidfds(self.sock, {"op": "forked", "pid": pid}, [pid])
 
     def _become_warm_parent(
-        self, zygote: int, environ: dict[str, str], parent_end: int, out_fd: int, err_fd: int
+        self,
+        zygote: int,
+        environ: dict[str, str],
+        state: dict[str, Any],
+        parent_end: int,
+        out_fd: int,
+        err_fd: int,
     ) -> None:
         from gym_fork.hosts.process import parent
         from gym_fork.system import linux
@@ -415,6 +493,7 @@ class _ZygoteProcess:
             _close_all([out_fd, err_fd])
             os.environ.clear()
             os.environ.update(environ)
+            apply_process_state(state)
             parent.run(socket.socket(fileno=parent_end), controller=self.controller)
             code = 0
         except SystemExit as exc:
