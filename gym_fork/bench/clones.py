@@ -11,6 +11,8 @@ memory    PSS added by N clones (after their first step: the PSS of the warm par
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,24 @@ def pss_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def tree_of(root: int) -> list[int]:
+    """``root`` and every process below it: all that share its pages (the sources, the
+    clones, the warm parent's idle sandboxes), so that summed PSS adds up."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(
+                    int(entry)
+                )
+    found, stack = [root], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -119,11 +139,11 @@ def measure(
             tick()
         fan_by_size: dict[int, list[float]] = {}
         pss: list[float] = []
-        tree = [envs.sandboxes.host.pid, *envs.worker_pids]  # the warm parent and the source
+        warm_parent = envs.sandboxes.host.pid
         for copies in fan_sizes:
             times = fan_by_size.setdefault(copies, [])
             for i in range(fan_repeats):
-                before = sum(pss_kb(p) for p in tree)
+                before = sum(pss_kb(p) for p in tree_of(warm_parent))
                 start = time.perf_counter()
                 branch = envs.fork(f"fan{copies}-{i}", copies=copies)
                 branch.step(np.zeros(copies, dtype=np.int64))
@@ -131,7 +151,7 @@ def measure(
                 if copies == largest:
                     # PSS adds up to real memory use: the clones' cost is what the whole
                     # tree grew by (their private pages; shared pages only re-split).
-                    pss.append(sum(pss_kb(p) for p in tree + branch.worker_pids) - before)
+                    pss.append(sum(pss_kb(p) for p in tree_of(warm_parent)) - before)
                 branch.close()
                 tick()
     finally:

@@ -6,7 +6,7 @@ seccomp) before its env can answer. The warm parent never changes after it prepa
 so a sandbox forked from it earlier is the same as one forked now: the pool keeps a few
 forked and isolated already, each blocked on a socket of its own until a spawn request
 hands it its spec and fds (slab, channel, side socket, stdout, stderr). The pool is
-refilled after the reply to a request, off the request's path, and only once a second
+refilled after the reply to a request (off the request's path), and only once a second
 spawn request shows that the tree makes sandboxes after its construction.
 
 An idle sandbox holds nothing of the controller's: it closes the warm parent's socket,
