@@ -31,10 +31,25 @@ def max_sandboxes() -> int:
     return int(value) if value else DEFAULT_MAX_SANDBOXES
 
 
-def auto_envs_per_worker(num_envs: int) -> int:
-    """1 while cores suffice, else one worker per core with sub-envs spread evenly."""
-    cores = len(os.sched_getaffinity(0)) or 1
-    return max(1, math.ceil(num_envs / cores))
+def available_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+def auto_envs_per_worker(num_envs: int, adaptive: bool = True) -> int:
+    """Sub-envs per worker for ``envs_per_worker="auto"``.
+
+    More sub-envs than cores: one worker per core, sub-envs spread evenly. Otherwise one
+    per worker, except that the controller needs a core of its own while it waits: with
+    as many sub-envs as cores they start grouped over ``cores - 1`` workers, and a vector
+    env whose steps prove slow splits them into one sandbox each (``split_when_slow``,
+    gym_fork/vector/adaptive.py): cheap envs keep a hand-over less per step. Not
+    ``adaptive`` (a host that cannot split cheaply): one per worker.
+    """
+    cores = available_cores()
+    if num_envs > cores or not adaptive:
+        return max(1, math.ceil(num_envs / cores))
+    return max(1, math.ceil(num_envs / max(1, cores - 1)))
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class VectorConfig:
     trusted: bool = True
     prepare: PrepareRecipe | None = None
     origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from
+    split_when_slow: bool = False  # "auto" grouped sub-envs a core each would have had
 
     @classmethod
     def from_arguments(
@@ -106,8 +122,13 @@ class VectorConfig:
                 raise ValueError(
                     f"`max_concurrency` must be a positive or None, got {max_concurrency}."
                 )
+        host = host or os.environ.get("GYM_FORK_HOST") or "process"
+        split_when_slow = False
         if envs_per_worker == "auto":
-            envs_per_worker = auto_envs_per_worker(num_envs)
+            # Only the process host splits grouped sub-envs (a VM's live fork is slow).
+            adaptive = host == "process" and reset_mode != "clone"
+            envs_per_worker = auto_envs_per_worker(num_envs, adaptive)
+            split_when_slow = envs_per_worker > 1 and num_envs <= available_cores()
         if (
             isinstance(envs_per_worker, bool)
             or not isinstance(envs_per_worker, int)
@@ -126,7 +147,6 @@ class VectorConfig:
             raise ValueError(
                 f"gpu_fork_policy must be 'refuse' or 'clean', got {gpu_fork_policy!r}"
             )
-        host = host or os.environ.get("GYM_FORK_HOST") or "process"
         if host not in HOST_KINDS:
             raise ValueError(f"`host` must be one of {sorted(HOST_KINDS)}, got {host!r}")
         if timeout is not None and (
@@ -159,6 +179,7 @@ class VectorConfig:
             ),
             prepare=prepare,
             origins=tuple(range(num_envs)) if prepare is None else (0,) * num_envs,
+            split_when_slow=split_when_slow,
             **plain,
         )
 
@@ -168,6 +189,7 @@ class VectorConfig:
             self,
             num_envs=len(sources),
             envs_per_worker=1,
+            split_when_slow=False,
             origins=tuple(self.origins[i] for i in sources),
         )
 

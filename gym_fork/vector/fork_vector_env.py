@@ -22,7 +22,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from gym_fork.errors import SandboxStartError
+from gym_fork.errors import GymForkError, SandboxStartError
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.lineage import Lineage
 from gym_fork.system.isolation import SandboxLimits
@@ -32,6 +32,7 @@ from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
 from . import provenance
+from .adaptive import SplitProbe
 from .branching import clone_sandboxes, plan_fork
 from .config import VectorConfig, auto_envs_per_worker
 from .faults import WaitTimeout
@@ -58,10 +59,12 @@ class ForkVectorEnv(VectorEnv):
 
     Extra keyword arguments:
         envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
-            one sandbox per sub-env while there are at least as many CPU cores as
-            sub-envs, else sub-envs spread evenly over one worker per core (fewer
-            context switches; worker-mates share a process). ``1`` forces one sandbox
-            per sub-env. Branches made by ``fork`` are always one sub-env per sandbox.
+            one sandbox per sub-env while there are more CPU cores than sub-envs, else
+            sub-envs spread evenly over one worker per core (fewer context switches;
+            worker-mates share a process); with exactly as many sub-envs as cores they
+            start grouped and get a sandbox each once their steps prove slow
+            (gym_fork/vector/adaptive.py). ``1`` forces one sandbox per sub-env.
+            Branches made by ``fork`` are always one sub-env per sandbox.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
         network: give sandboxes the host's network (default False: an empty network
             namespace, where the host allows one).
@@ -213,6 +216,7 @@ class ForkVectorEnv(VectorEnv):
         self.autoreset_mode = config.autoreset_mode
         self.max_concurrency = config.max_concurrency
         self.envs_per_worker = config.envs_per_worker
+        self._split_probe = SplitProbe(config.split_when_slow)
         self.timeout = config.timeout
         self.ring_bytes = config.ring_bytes
         self.check_actions = config.check_actions
@@ -409,6 +413,8 @@ class ForkVectorEnv(VectorEnv):
         # liveness syscall per worker per step would cost more than the step itself.
         # A worker still serving an abandoned step would read the slab's actions late:
         # until it has caught up, actions travel inside the requests (pool.py).
+        if self._split_probe.active:
+            self._split_probe.step_sent()
         if not pool.behind() and self._actions.write_slab(actions):
             pool.send_same(P.STEP, None)
         else:
@@ -447,7 +453,24 @@ class ForkVectorEnv(VectorEnv):
                 self.single_observation_space, observations, self.observations
             )
         rewards, terminations, truncations = self.sandboxes.slabs.step_columns()
-        return self._observations_out(), rewards, terminations, truncations, infos
+        observations = self._observations_out()
+        if self._split_probe.active and self._split_probe.step_done():
+            self._split_workers()
+        return observations, rewards, terminations, truncations, infos
+
+    def _split_workers(self) -> None:
+        """Slow steps: every grouped sub-env gets a sandbox of its own (adaptive.py)."""
+        try:
+            added = self.sandboxes.split_workers()
+        except GymForkError as exc:
+            logger.warn(f"ForkVectorEnv: splitting grouped sub-envs failed ({exc}); kept")
+            return
+        if added:
+            self.envs_per_worker = 1
+            if self.sandboxes.lineage is not None:
+                self.sandboxes.lineage.tree.event(
+                    self.sandboxes.lineage.branch_id, "split_slow_workers", added=added
+                )
 
     # -- call / attributes ----------------------------------------------------------
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import cloudpickle
@@ -21,7 +22,7 @@ from gymnasium import logger
 from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
-from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec, make_host
+from gym_fork.hosts.base import CloneOrder, Host, WorkerHandle, WorkerSpec, make_host
 from gym_fork.lineage import Lineage
 from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
@@ -254,6 +255,65 @@ class Sandboxes:
                 old_pids=[w.pid for w in old],
                 new_pids=[w.pid for w in fresh],
             )
+
+    # -- split ----------------------------------------------------------------------
+    def split_workers(self) -> int:
+        """Give every sub-env of a grouped worker a sandbox of its own, by forking the
+        worker (each clone continues one of its sub-envs exactly: same state, same RNG,
+        same pending autoreset). Returns how many sandboxes were added. A worker that
+        cannot be forked (dead, or holding a CUDA context) stays grouped; only the
+        process host splits (a live fork of a VM costs more than it would save)."""
+        if self.host.kind != "process":
+            return 0
+        added = 0
+        # From the last position: splitting one worker shifts the positions after it.
+        for position in reversed(range(len(self.pool.workers))):
+            worker = self.pool.workers[position]
+            if len(worker.indices) > 1 and self._forkable(worker):
+                added += self._split(position, worker)
+        if added:
+            self.config = replace(self.config, envs_per_worker=1, split_when_slow=False)
+        return added
+
+    def _forkable(self, worker: WorkerHandle) -> bool:
+        if not worker.alive():
+            return False
+        return not cuda_evidence(worker.pid, gpu_probe())
+
+    def _split(self, position: int, worker: WorkerHandle) -> int:
+        slabs = [self.slabs.new_slab(1, new_slab_memfd()) for _ in worker.indices]
+        orders = [CloneOrder(self.spec([i]), i, i, None) for i in worker.indices]
+
+        def ask(op: int, arg: Any) -> Any:
+            return self.pool.ask(worker, op, arg, self.config.timeout)
+
+        try:
+            fds = [slab.region.fd for slab in slabs]
+            clones = self.host.fork(
+                worker, orders, self.config.num_envs, fds, self.config.ring_bytes, ask
+            )
+        except BaseException:
+            for slab in slabs:
+                slab.close()
+            raise
+        # Each clone's row starts as its sub-env's row was: a masked reset or a worker
+        # that does not rewrite a row (obs kept for a sub-env not reset) reads it.
+        old = self.slabs.slabs[position]
+        for row, slab in enumerate(slabs):
+            slab.rewards[0] = old.rewards[row]
+            slab.terminations[0] = old.terminations[row]
+            slab.truncations[0] = old.truncations[row]
+            if slab.observations is not None:
+                slab.observations.write(0, old.observations.read(row))
+        self.slabs.splice(position, slabs)
+        self.pool.workers[position : position + 1] = clones
+        try:
+            self.receive_hellos(clones)
+        finally:
+            worker.kill()
+            worker.watch.wait_dead(1.0)
+            worker.release()
+        return len(clones) - 1
 
     def _ensure_warm_parent(self) -> Host | None:
         """Health check: a dead warm parent is replaced by a cold launch of the env_fns
