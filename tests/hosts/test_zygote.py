@@ -138,3 +138,33 @@ def test_prestart_makes_the_zygote_the_first_vector_env_uses(monkeypatch):
     assert len(started) == 1
     with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
         assert zygote_of(envs) in started
+
+
+def test_one_zygote_serves_vector_envs_made_one_after_the_other():
+    # gym_fork sets variables of its own at run time (GYM_FORK_SCRATCH_BASE at the first
+    # close): none of them may make the next vector env start a zygote of its own.
+    used = set()
+    for _ in range(3):
+        with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
+            envs.reset(seed=0)
+            used.add(zygote_of(envs))
+    assert len(used) == 1 and None not in used
+
+
+def test_a_failed_fork_falls_back_and_spares_the_zygotes_other_warm_parents(monkeypatch):
+    with contextlib.closing(ForkVectorEnv([cartpole])) as first:
+        first.reset(seed=0)
+        before = zygote_of(first)
+
+        def no_fds():
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(zygote, "_output_fds", no_fds)
+        with contextlib.closing(ForkVectorEnv([cartpole])) as second:  # a fresh interpreter
+            second.reset(seed=0)
+            assert zygote_of(second) is None
+        monkeypatch.undo()
+        monkeypatch.setenv("GYM_FORK_ZYGOTE", "1")
+        first.step(np.array([0]))  # its warm parent lives: the zygote was retired, not closed
+        assert _alive(before)
+    assert wait_until(lambda: not _alive(before), 3.0)

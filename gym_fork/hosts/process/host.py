@@ -248,7 +248,8 @@ class ProcessHost(SharedByBranches):
         self.watch: ProcessWatch | None = None
         self.process: Any = None  # subprocess.Popen or zygote.ForkedParent
         self.sock, self.process = _start_warm_parent(config.start_timeout)
-        self.watch = ProcessWatch(self.process.pid)
+        watch = getattr(self.process, "watch", None)  # a zygote's fork: by its pidfd
+        self.watch = watch() if watch is not None else ProcessWatch(self.process.pid)
         try:
             message = init_message(config)
             known = _env_modules.known(message["env_fns"]) if config.trusted else None

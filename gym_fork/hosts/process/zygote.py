@@ -10,9 +10,11 @@ current environment, stdout and stderr.
 
 Lifetime: the zygote exits when the controller closes its socket (at exit) or dies
 (watched through a pidfd). Its warm parents get SIGTERM when it exits (PDEATHSIG) and
-take their trees down. A zygote whose start-up inputs no longer match the controller's
-(interpreter, ``PYTHON*``/``LD_*``/``GYM_FORK_*``/thread-count variables) is retired: it
-forks nothing more and exits once its last warm parent has.
+take their trees down, so a zygote that failed one request is retired, never closed:
+it forks nothing more and exits once its last warm parent has. A zygote whose start-up
+inputs no longer match the controller's (interpreter, uid/gid, ``PYTHON*``, ``LD_*``,
+``MALLOC_*``, ``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is kept until a
+third set of inputs appears (``MAX_ZYGOTES``), then retired the same way.
 
 ``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
 """
@@ -35,13 +37,16 @@ import traceback
 from typing import Any
 
 from gym_fork.errors import SandboxStartError
-from gym_fork.system.linux import pidfd_pids, wait_readable
+from gym_fork.system.linux import ProcessWatch, pidfd_pids, wait_readable
 from gym_fork.transport.control import recv_message, send_message
 
 # A zygote is rebuilt when one of these differs: they are read while an interpreter
-# starts or while the modules it pre-imports load (GYM_FORK_SPIN by the ring module).
-_KEY_PREFIXES = ("PYTHON", "LD_", "GYM_FORK_", "MALLOC_", "LC_", "LANG")
+# starts or while the modules it pre-imports load. Every other variable a warm parent
+# gets afresh with each fork (os.environ), so none of them is in the key: gym_fork sets
+# some of its own at run time (GYM_FORK_SCRATCH_BASE), which must not cost a zygote.
+_KEY_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "LC_", "LANG")
 _KEY_SUFFIXES = ("_NUM_THREADS",)
+_KEY_NAMES = ("GYM_FORK_SPIN",)  # read when the ring module is imported
 # Zygotes kept at once (one per set of start-up inputs); older ones are retired.
 MAX_ZYGOTES = 2
 EXIT_UNKNOWN = 255  # the exit code of a warm parent its retired zygote no longer knows
@@ -55,7 +60,9 @@ def enabled() -> bool:
 def zygote_key(env: dict[str, str]) -> tuple:
     """What a zygote's pre-imported state depends on."""
     chosen = sorted(
-        (k, v) for k, v in env.items() if k.startswith(_KEY_PREFIXES) or k.endswith(_KEY_SUFFIXES)
+        (k, v)
+        for k, v in env.items()
+        if k.startswith(_KEY_PREFIXES) or k.endswith(_KEY_SUFFIXES) or k in _KEY_NAMES
     )
     ids = (os.getuid(), os.geteuid(), os.getgid(), os.getegid(), tuple(os.getgroups()))
     return (sys.executable, ids, tuple(chosen))
@@ -138,6 +145,13 @@ class ForkedParent:
             raise subprocess.TimeoutExpired(f"warm parent {self.pid}", timeout or 0)
         code = self.poll()
         return EXIT_UNKNOWN if code is None else code
+
+    def watch(self) -> ProcessWatch:
+        """A watch of this process on its own copy of the pidfd (never by pid: the
+        process is not our child, its pid could be reused once it is reaped)."""
+        if self._pidfd < 0:
+            return ProcessWatch(self.pid, -1)
+        return ProcessWatch(self.pid, os.dup(self._pidfd))
 
     def kill(self) -> None:
         if self._pidfd >= 0:
@@ -298,13 +312,17 @@ def fork_warm_parent(
     if not enabled():
         return None
     key = zygote_key(env)
-    zygote = _zygote_for(env, timeout)
+    try:
+        zygote = _zygote_for(env, timeout)
+    except (OSError, SandboxStartError):
+        return None
     try:
         return zygote.fork_parent(env, timeout)
     except (OSError, SandboxStartError):
+        # Retired, not closed: its warm parents (other vector envs) die with it.
         with _registry_lock:
             if _zygotes.get(key) is zygote:
-                _zygotes.pop(key).close()
+                _zygotes.pop(key).retire()
         return None
 
 
@@ -444,7 +462,8 @@ class _ZygoteProcess:
         elif op == "status":
             _close_all(fds)
             pid = message.get("pid")
-            send_message(self.sock, {"op": "status", "pid": pid, "code": self.exit_codes.get(pid)})
+            code = self.exit_codes.pop(pid, None) if isinstance(pid, int) else None
+            send_message(self.sock, {"op": "status", "pid": pid, "code": code})
         elif op == "retire":
             _close_all(fds)
             self.retired = True
@@ -465,7 +484,12 @@ class _ZygoteProcess:
         sys.stdout.flush()
         sys.stderr.flush()
         me = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN, ENOMEM: this request fails, the zygote serves on
+            _close_all([parent_end, out_fd, err_fd])
+            send_message(self.sock, {"op": "error", "error": f"zygote fork: {exc}"})
+            return
         if pid == 0:
             self._become_warm_parent(me, environ, state, parent_end, out_fd, err_fd)
         _close_all([parent_end, out_fd, err_fd])
