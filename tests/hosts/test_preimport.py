@@ -13,7 +13,24 @@ import pytest
 from gym_fork import ForkVectorEnv
 
 pytestmark = pytest.mark.process_only
-LAZY = "tests.hosts.lazily_imported"
+LAZY = "gf_lazily_imported"  # a package only the env_fns import (never the controller)
+
+
+@pytest.fixture(autouse=True)
+def lazy_library(tmp_path_factory, monkeypatch):
+    """LAZY as an installed library: a directory on the user's PYTHONPATH (the
+    pre-import imports installed packages only, never a script next to the program)."""
+    library = tmp_path_factory.getbasetemp() / "preimport-library"
+    if not library.exists():
+        (library / LAZY).mkdir(parents=True)
+        (library / LAZY / "__init__.py").write_text("VALUE = 42\n")
+        time.sleep(0.1)  # older than any build: the pre-import checks file times
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(library), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.syspath_prepend(str(library))
+    yield
+    sys.modules.pop(LAZY, None)
 
 
 class Probe(gym.Env):
@@ -110,3 +127,34 @@ def test_the_throw_away_build_is_confined_like_a_sandbox(tmp_path):
     reports = [p.read_text() for p in tmp_path.iterdir()]
     assert len(reports) == 3, reports  # two sandboxes and the throw-away build
     assert all(r == "0000000000000000 2" for r in reports), reports
+
+
+def script_env(directory: str):
+    """Imports a script that sits next to the program (on sys.path, not installed):
+    its top-level code records the pid of every process that runs it."""
+
+    def make():
+        __import__("gf_user_script")
+        return Probe(False)
+
+    return make
+
+
+def test_a_script_of_the_user_never_runs_in_the_warm_parent(tmp_path, monkeypatch):
+    scripts, seen = tmp_path / "scripts", tmp_path / "seen"
+    scripts.mkdir()
+    seen.mkdir()
+    (scripts / "gf_user_script.py").write_text(
+        f"import os\nopen(os.path.join({str(seen)!r}, str(os.getpid())), 'w').close()\n"
+    )
+    time.sleep(0.1)
+    monkeypatch.syspath_prepend(str(scripts))
+    envs = ForkVectorEnv([script_env(str(seen))] * 2, envs_per_worker=1, private_tmp=False)
+    try:
+        envs.reset(seed=0)
+    finally:
+        envs.close()
+        sys.modules.pop("gf_user_script", None)
+    pids = {int(p.name) for p in seen.iterdir()}
+    assert len(pids) == 3, pids  # the throw-away build and the two sandboxes
+    assert 1 not in pids  # never the warm parent (pid 1 of the tree)

@@ -188,9 +188,22 @@ class EnvModules:
         """{"modules": names, "since": when they were vetted}, None if not learnt."""
         return self._by_digest.get(hashlib.sha256(env_fns).digest())
 
+    def made_unsafe(self, env_fns: bytes, learnt: Any) -> bool:
+        """True if the warm parent says its pre-import left it unsafe to fork from (a
+        thread, a GPU context); then these env_fns are never pre-imported again."""
+        if not (isinstance(learnt, dict) and learnt.get("unsafe")):
+            return False
+        self._remember(env_fns, {"enabled": False})
+        return True
+
+    def _remember(self, env_fns: bytes, entry: dict[str, Any]) -> None:
+        if len(self._by_digest) >= self.MAX_ENTRIES:
+            self._by_digest.pop(next(iter(self._by_digest)))
+        self._by_digest[hashlib.sha256(env_fns).digest()] = entry
+
     def learn(self, env_fns: bytes, learnt: Any) -> None:
         """Keep what a warm parent imported for ``env_fns`` (its reply, checked)."""
-        if not isinstance(learnt, dict):
+        if not isinstance(learnt, dict) or learnt.get("unsafe"):
             return
         names, since = learnt.get("names"), learnt.get("since")
         if not isinstance(names, list) or len(names) > self.MAX_NAMES:
@@ -199,9 +212,7 @@ class EnvModules:
             isinstance(n, str) and preimport.is_module_name(n) for n in names
         ):
             return
-        if len(self._by_digest) >= self.MAX_ENTRIES:
-            self._by_digest.pop(next(iter(self._by_digest)))
-        self._by_digest[hashlib.sha256(env_fns).digest()] = {"modules": names, "since": since}
+        self._remember(env_fns, {"modules": names, "since": since})
 
 
 _env_modules = EnvModules()
@@ -247,24 +258,16 @@ class ProcessHost(SharedByBranches):
         self.sock: socket.socket | None = None
         self.watch: ProcessWatch | None = None
         self.process: Any = None  # subprocess.Popen or zygote.ForkedParent
-        self.sock, self.process = _start_warm_parent(config.start_timeout)
-        watch = getattr(self.process, "watch", None)  # a zygote's fork: by its pidfd
-        self.watch = watch() if watch is not None else ProcessWatch(self.process.pid)
         try:
             message = init_message(config)
-            known = _env_modules.known(message["env_fns"]) if config.trusted else None
-            message["preimport"] = {"enabled": config.trusted, **(known or {})}
-            message["controller_pid"] = os.getpid()
-            message["die_with_controller"] = threading.current_thread() is threading.main_thread()
-            message["isolation"] = cloudpickle.dumps(config.isolation)
-            send_message(self.sock, message)
-            reply, fds = self._request_reply(config.start_timeout, what="warm parent start")
-            if reply["op"] != "ready":
-                _close_all(fds)
-                raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
-            (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
-            if config.trusted and known is None:
-                _env_modules.learn(message["env_fns"], reply.get("preimported"))
+            while True:
+                reply, parent = self._start(config, message)
+                if not _env_modules.made_unsafe(message["env_fns"], reply.get("preimported")):
+                    break
+                # Its pre-import left threads or a GPU context in the warm parent: never
+                # fork from that; again without pre-import (remembered for these env_fns).
+                parent.close()
+                self._stop_warm_parent(2.0)
         except BaseException:
             self.close()
             raise
@@ -273,6 +276,26 @@ class ProcessHost(SharedByBranches):
         parent.close()
         self.gpu_pid: int | None = self.pid
         self.tree_isolation = reply.get("isolation", {})
+
+    def _start(self, config: HostConfig, message: dict) -> tuple[dict, ProcessWatch]:
+        """Start a warm parent and have it prepare; its ready reply and a watch of it."""
+        self.sock, self.process = _start_warm_parent(config.start_timeout)
+        watch = getattr(self.process, "watch", None)  # a zygote's fork: by its pidfd
+        self.watch = watch() if watch is not None else ProcessWatch(self.process.pid)
+        known = _env_modules.known(message["env_fns"]) if config.trusted else None
+        message["preimport"] = {"enabled": config.trusted, **(known or {})}
+        message["controller_pid"] = os.getpid()
+        message["die_with_controller"] = threading.current_thread() is threading.main_thread()
+        message["isolation"] = cloudpickle.dumps(config.isolation)
+        send_message(self.sock, message)
+        reply, fds = self._request_reply(config.start_timeout, what="warm parent start")
+        if reply["op"] != "ready":
+            _close_all(fds)
+            raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
+        (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
+        if config.trusted and known is None:
+            _env_modules.learn(message["env_fns"], reply.get("preimported"))
+        return reply, parent
 
     def _request_reply(self, timeout: float | None, what: str) -> tuple[dict, list[int]]:
         if not wait_readable(self.sock.fileno(), timeout):
@@ -442,6 +465,12 @@ class ProcessHost(SharedByBranches):
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
+        self._stop_warm_parent(timeout)
+        if self.output is not None:
+            self.output.close()
+            self.output = None
+
+    def _stop_warm_parent(self, timeout: float) -> None:
         sock, self.sock = self.sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -457,9 +486,7 @@ class ProcessHost(SharedByBranches):
             # (its tree is named by its host pid).
             cgroups.remove_tree(self.process.pid)
             sweep(self.process.pid)
+        self.process = None
         if self.watch is not None:
             self.watch.close()
             self.watch = None
-        if self.output is not None:
-            self.output.close()
-            self.output = None

@@ -144,7 +144,8 @@ class WarmParent:
         known, since = request.get("modules"), request.get("since")
         if isinstance(known, list) and isinstance(since, float):
             preimport.import_all(known, since)
-            return None
+            unsafe = preimport.fork_unsafe()
+            return {"unsafe": unsafe} if unsafe else None
 
         def enter() -> None:
             linux.die_with_parent(self.pid)
@@ -163,6 +164,9 @@ class WarmParent:
         learnt = preimport.preimport(
             self.recipe.env_fns[0], enter, close, preimport.budget(), cleanup
         )
+        unsafe = preimport.fork_unsafe()
+        if unsafe:
+            return {"unsafe": unsafe}
         return None if learnt is None else {"names": learnt[0], "since": learnt[1]}
 
     def _become_idle(self, sock: socket.socket, close: list[int]) -> None:

@@ -30,10 +30,11 @@ import select
 import signal
 import stat
 import sys
-import sysconfig
 import time
 import warnings
 from collections.abc import Callable
+
+import gym_fork
 
 MAX_REPORT_BYTES = 4 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -64,7 +65,9 @@ def preimport(
     controller's socket), ``cleanup(pid)`` kills whatever the child left running and
     removes its scratch and cgroups once it is reaped: nothing of the build may run while
     the warm parent vets and imports."""
-    since = time.time()
+    # Less a margin: on older kernels file times come from a coarse clock (a few ms
+    # behind time.time()), and a file written just after the build began must not pass.
+    since = time.time() - 0.05
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -129,6 +132,25 @@ def _read_report(fd: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
+def fork_unsafe() -> str | None:
+    """Why this process should no longer fork sandboxes after pre-importing, or None: an
+    imported module opened a GPU or loaded the CUDA driver (a CUDA context does not
+    survive fork). A thread an import started is allowed, as AsyncVectorEnv's fork
+    context allows it (numpy and OpenCV start one at import; a fork keeps only the
+    forking thread, and such libraries re-create theirs after it)."""
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia"):
+                    return "an imported module opened a GPU device"
+        with open("/proc/self/maps") as f:
+            if any("libcuda.so" in line for line in f):
+                return "an imported module loaded the CUDA driver"
+    except OSError:
+        return "its devices could not be checked"
+    return None
+
+
 def is_module_name(name: str) -> bool:
     """A dotted Python module name, none of whose parts is ``__main__`` (importing
     ``pkg.__main__`` runs a program)."""
@@ -168,8 +190,11 @@ def import_all(names: list[str], since: float) -> list[str]:
 
 def _wanted(name: object) -> bool:
     """A name worth importing: valid, not imported yet, its parent package imported
-    already, and not the standard library's (small, and some of its modules act when
-    imported: ``antigravity``, ``this``; the sandboxes import those themselves)."""
+    already, and (for a top-level name) an installed package, found in a
+    ``site-packages`` or ``dist-packages`` directory or under the user's ``PYTHONPATH``:
+    not the standard library (small,
+    and some of its modules act when imported: ``antigravity``, ``this``), not a
+    script of the user's (a ``train.py`` next to the program runs when imported)."""
     if not isinstance(name, str) or not is_module_name(name) or name in sys.modules:
         return False
     parent = name.rpartition(".")[0]
@@ -181,7 +206,7 @@ def _wanted(name: object) -> bool:
         spec = importlib.util.find_spec(name)
     except BaseException:
         return False
-    return spec is not None and spec.has_location and not _in_stdlib(spec.origin or "")
+    return spec is not None and spec.has_location and _installed(spec.origin or "")
 
 
 class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
@@ -228,14 +253,19 @@ class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
         return True
 
 
-def _in_stdlib(path: str) -> bool:
-    parts = path.split(os.sep)
+def _installed(path: str) -> bool:
+    """In a ``site-packages``/``dist-packages`` directory, or under a directory the
+    user put on ``PYTHONPATH`` (not gym_fork's own root, which the host adds)."""
+    real = os.path.realpath(path)
+    parts = real.split(os.sep)
     if "site-packages" in parts or "dist-packages" in parts:
-        return False
-    paths = sysconfig.get_paths()
-    return any(
-        path.startswith(os.path.realpath(paths[key]) + os.sep) for key in ("stdlib", "platstdlib")
-    )
+        return True
+    ours = os.path.realpath(os.path.dirname(os.path.dirname(gym_fork.__file__)))
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        root = os.path.realpath(entry) if entry else ""
+        if root and root != ours and real.startswith(root + os.sep):
+            return True
+    return False
 
 
 def _import_all(report: bytes, since: float) -> list[str]:
