@@ -40,16 +40,16 @@ def auto_envs_per_worker(num_envs: int, adaptive: bool = True) -> int:
     """Sub-envs per worker for ``envs_per_worker="auto"``.
 
     More sub-envs than cores: one worker per core, sub-envs spread evenly. Otherwise one
-    per worker, except that the controller needs a core of its own while it waits: with
-    as many sub-envs as cores they start grouped over ``cores - 1`` workers, and a vector
-    env whose steps prove slow splits them into one sandbox each (``split_when_slow``,
-    gym_fork/vector/adaptive.py): cheap envs keep a hand-over less per step. Not
-    ``adaptive`` (a host that cannot split cheaply): one per worker.
+    per worker, except on a 2-core machine with 2 sub-envs (where it was measured): the
+    controller needs a core of its own while it waits, so they start in one worker and
+    a vector env whose steps prove slow splits them into one sandbox each
+    (``split_when_slow``, gym_fork/vector/adaptive.py): cheap envs keep a hand-over less
+    per step. Not ``adaptive`` (a host that cannot split cheaply): one per worker.
     """
     cores = available_cores()
-    if num_envs > cores or not adaptive:
-        return max(1, math.ceil(num_envs / cores))
-    return max(1, math.ceil(num_envs / max(1, cores - 1)))
+    if adaptive and cores == 2 and num_envs == 2:
+        return 2
+    return max(1, math.ceil(num_envs / cores))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from gym_fork.errors import GymForkError, SandboxStartError
+from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.lineage import Lineage
 from gym_fork.system.isolation import SandboxLimits
@@ -61,8 +61,8 @@ class ForkVectorEnv(VectorEnv):
         envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
             one sandbox per sub-env while there are more CPU cores than sub-envs, else
             sub-envs spread evenly over one worker per core (fewer context switches;
-            worker-mates share a process); with exactly as many sub-envs as cores they
-            start grouped and get a sandbox each once their steps prove slow
+            worker-mates share a process); on a 2-core machine 2 sub-envs start in one
+            worker and get a sandbox each once their steps prove slow
             (gym_fork/vector/adaptive.py). ``1`` forces one sandbox per sub-env.
             Branches made by ``fork`` are always one sub-env per sandbox.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
@@ -414,12 +414,14 @@ class ForkVectorEnv(VectorEnv):
         # A worker still serving an abandoned step would read the slab's actions late:
         # until it has caught up, actions travel inside the requests (pool.py).
         if self._split_probe.active:
-            self._split_probe.step_sent()
+            self._split_probe.step_sending()
         if not pool.behind() and self._actions.write_slab(actions):
             pool.send_same(P.STEP, None)
         else:
             per_env = self._actions.per_sub_env(actions)
             pool.send_each(P.STEP, [[per_env[i] for i in w.indices] for w in pool.workers])
+        if self._split_probe.active:
+            self._split_probe.step_sent()
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None):
@@ -430,6 +432,8 @@ class ForkVectorEnv(VectorEnv):
                 "Calling `step_wait` without any prior call to `step_async`.",
                 AsyncState.WAITING_STEP.value,
             )
+        if self._split_probe.active:
+            self._split_probe.step_waiting()
         replies = self._collect(timeout, P.STEP, "step_wait")
         infos: dict[str, Any] = {}
         if self._obs_in_slab:
@@ -462,8 +466,10 @@ class ForkVectorEnv(VectorEnv):
         """Slow steps: every grouped sub-env gets a sandbox of its own (adaptive.py)."""
         try:
             added = self.sandboxes.split_workers()
-        except GymForkError as exc:
-            logger.warn(f"ForkVectorEnv: splitting grouped sub-envs failed ({exc}); kept")
+        except Exception as exc:
+            # A worker whose split failed keeps its sub-envs (its clones are gone); one
+            # that died meanwhile is reported by the next call, as any crash.
+            logger.warn(f"ForkVectorEnv: splitting grouped sub-envs failed ({exc!r})")
             return
         if added:
             self.envs_per_worker = 1

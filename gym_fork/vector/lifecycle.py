@@ -38,6 +38,11 @@ from .spaces import VectorSpaces
 _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
 
 
+# The longest a split (fork of a grouped worker and its clones' HELLOs) may take when
+# the vector env has no timeout of its own.
+SPLIT_TIMEOUT = 60.0
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
     for sandboxes in list(_OPEN):
@@ -117,10 +122,13 @@ class Sandboxes:
             name = f"sub-env {indices[0]}" if len(indices) == 1 else f"sub-envs {indices}"
         return WorkerSpec(name, list(indices), [self.config.origins[i] for i in indices])
 
-    def receive_hellos(self, workers: list[WorkerHandle]) -> list[dict[str, Any]]:
-        """Each new worker's HELLO (its build error raised), within the vector env's
-        timeout."""
-        deadline = Deadline(self.config.timeout)
+    def receive_hellos(
+        self, workers: list[WorkerHandle], timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Each new worker's HELLO (its build error raised), within ``timeout`` (default:
+        the vector env's)."""
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = Deadline(timeout)
         for worker in workers:
             worker.channel.allow_pickle = self.config.trusted
         hellos = []
@@ -128,9 +136,7 @@ class Sandboxes:
             try:
                 _op, _seq, info, errors = self.pool.receive(worker, deadline, P.HELLO)
             except WaitTimeout:
-                raise self.pool.kill_unanswered(
-                    P.HELLO, "building the sub-envs", self.config.timeout
-                ) from None
+                raise self.pool.kill_unanswered(P.HELLO, "building the sub-envs", timeout) from None
             if errors:
                 raise errors_exception(errors, building=True, trusted=self.config.trusted)
             if not isinstance(info, dict):
@@ -260,9 +266,10 @@ class Sandboxes:
     def split_workers(self) -> int:
         """Give every sub-env of a grouped worker a sandbox of its own, by forking the
         worker (each clone continues one of its sub-envs exactly: same state, same RNG,
-        same pending autoreset). Returns how many sandboxes were added. A worker that
-        cannot be forked (dead, or holding a CUDA context) stays grouped; only the
-        process host splits (a live fork of a VM costs more than it would save)."""
+        same pending autoreset, same last results). Returns how many sandboxes were
+        added. A worker that cannot be forked (dead, or holding a CUDA context), or whose
+        clones fail to start, stays as it was; only the process host splits (a live fork
+        of a VM costs more than it would save)."""
         if self.host.kind != "process":
             return 0
         added = 0
@@ -271,7 +278,7 @@ class Sandboxes:
             worker = self.pool.workers[position]
             if len(worker.indices) > 1 and self._forkable(worker):
                 added += self._split(position, worker)
-        if added:
+        if all(len(w.indices) == 1 for w in self.pool.workers):
             self.config = replace(self.config, envs_per_worker=1, split_when_slow=False)
         return added
 
@@ -283,16 +290,23 @@ class Sandboxes:
     def _split(self, position: int, worker: WorkerHandle) -> int:
         slabs = [self.slabs.new_slab(1, new_slab_memfd()) for _ in worker.indices]
         orders = [CloneOrder(self.spec([i]), i, i, None) for i in worker.indices]
+        # Bounded even without a vector env timeout: this runs inside a step_wait.
+        timeout = self.config.timeout or SPLIT_TIMEOUT
 
         def ask(op: int, arg: Any) -> Any:
-            return self.pool.ask(worker, op, arg, self.config.timeout)
+            return self.pool.ask(worker, op, arg, timeout)
 
+        clones: list[WorkerHandle] = []
         try:
             fds = [slab.region.fd for slab in slabs]
             clones = self.host.fork(
                 worker, orders, self.config.num_envs, fds, self.config.ring_bytes, ask
             )
+            self.receive_hellos(clones, timeout)
         except BaseException:
+            for clone in clones:  # the source keeps serving its sub-envs
+                clone.kill()
+                clone.release()
             for slab in slabs:
                 slab.close()
             raise
@@ -307,12 +321,9 @@ class Sandboxes:
                 slab.observations.write(0, old.observations.read(row))
         self.slabs.splice(position, slabs)
         self.pool.workers[position : position + 1] = clones
-        try:
-            self.receive_hellos(clones)
-        finally:
-            worker.kill()
-            worker.watch.wait_dead(1.0)
-            worker.release()
+        worker.kill()
+        worker.watch.wait_dead(1.0)
+        worker.release()
         return len(clones) - 1
 
     def _ensure_warm_parent(self) -> Host | None:
