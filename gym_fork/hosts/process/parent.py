@@ -111,25 +111,45 @@ class WarmParent:
         self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
     ) -> None:
         def body() -> None:
-            linux.die_with_parent(self.pid)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self.sock.close()
-            if self.controller >= 0:
-                os.close(self.controller)  # a sandbox must not hold the controller
-            serve(
-                channel_fd,
-                spec["ring_capacity"],
-                slab_fd,
-                sock_fd,
-                spec,
-                self.recipe.make_env,
-                warm_parent=self.pid,
-                isolation=(self.isolation_config, self.tree_isolation),
-                attach=attach,
-            )
+            self._leave_parent()
+            self._serve(spec, channel_fd, slab_fd, sock_fd, attach)
 
         run_as_sandbox(body)
+
+    def _leave_parent(self, close: tuple[int, ...] | list[int] = ()) -> None:
+        """In a new sandbox: die with the warm parent, default signals, and none of the
+        warm parent's ends (its socket to the controller, its pidfd of it, ``close``)."""
+        linux.die_with_parent(self.pid)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.sock.close()
+        if self.controller >= 0:
+            os.close(self.controller)  # a sandbox must not hold the controller
+        for fd in close:
+            os.close(fd)
+
+    def _serve(
+        self,
+        spec: dict,
+        channel_fd: int,
+        slab_fd: int,
+        sock_fd: int,
+        attach: dict | None,
+        entered: tuple[str | None, dict] | None = None,
+    ) -> None:
+        """Serve as the worker of ``spec`` (gym_fork/hosts/process/sandbox.py)."""
+        serve(
+            channel_fd,
+            spec["ring_capacity"],
+            slab_fd,
+            sock_fd,
+            spec,
+            self.recipe.make_env,
+            warm_parent=self.pid,
+            isolation=(self.isolation_config, self.tree_isolation),
+            attach=attach,
+            entered=entered,
+        )
 
     def preimport(self, request: dict) -> dict | None:
         """Import what building ``env_fns[0]`` imports, so that sandboxes share those
@@ -174,33 +194,16 @@ class WarmParent:
         a spec and fds, then serve like any sandbox."""
 
         def body() -> None:
-            linux.die_with_parent(self.pid)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self.sock.close()
-            if self.controller >= 0:
-                os.close(self.controller)
-            for fd in close:
-                os.close(fd)
+            self._leave_parent(close)
             scratch, achieved = enter_sandbox(
                 self.isolation_config, self.tree_isolation, self.pid, None
             )
             message, fds = await_assignment(sock)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)
-            spec = message["spec"]
-            serve(
-                channel_fd,
-                spec["ring_capacity"],
-                slab_fd,
-                sock_fd,
-                spec,
-                self.recipe.make_env,
-                warm_parent=self.pid,
-                isolation=(self.isolation_config, self.tree_isolation),
-                attach=self.recipe.attach_arg(message.get("attach")),
-                entered=(scratch, achieved.report()),
-            )
+            attach = self.recipe.attach_arg(message.get("attach"))
+            entered = (scratch, achieved.report())
+            self._serve(message["spec"], channel_fd, slab_fd, sock_fd, attach, entered)
 
         run_as_sandbox(body)
 
