@@ -28,6 +28,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from gym_fork.bench.clones import pss_kb, tree_of
+
 SYNC, ASYNC, ENVPOOL, PUFFER, FORK, FORK1 = (
     "Sync",
     "Async",
@@ -206,43 +208,6 @@ def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]
     return {"construction_s": construction, "steps_per_s": rate}
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
-
-
-def tree_pids(root: int) -> set[int]:
-    """``root`` and all its descendants."""
-    tree, found, todo = _children(), set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(tree.get(pid, []))
-    return found
-
-
-def pss_kb(pid: int) -> int:
-    """Proportional set size of a process in KiB (0 if unreadable or gone)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def pss_child(contender: str, kind: str, n: int) -> None:
     """(In a fresh process.) Build, reset and step the vector env, then print the total
     PSS of this process and every process it started, in MiB, as JSON."""
@@ -256,7 +221,7 @@ def pss_child(contender: str, kind: str, n: int) -> None:
         _, actions_n, _ = ENVS[kind]
         for a in np.random.default_rng(0).integers(0, actions_n, (50, n)):
             envs.step(a)
-        pids = tree_pids(os.getpid()) | set(getattr(envs, "worker_pids", []) or [])
+        pids = set(tree_of(os.getpid())) | set(getattr(envs, "worker_pids", []) or [])
         total = sum(pss_kb(pid) for pid in pids)
         print(json.dumps({"pss_mb": total / 1024, "processes": len(pids)}))
     finally:

@@ -129,6 +129,19 @@ class SpaceEnv(gym.Env):
         return tempfile.gettempdir()
 
 
+def alive(pids) -> set[int]:
+    """Those of ``pids`` that are running (not gone, not a zombie)."""
+    running = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.add(pid)
+        except OSError:
+            continue  # gone
+    return running
+
+
 def _zygotes() -> tuple[set[int], set[int]]:
     """Pids and controller-side fds of this process's zygotes: they live as long as
     the controller (gym_fork/hosts/process/zygote.py), so leak checks leave out these

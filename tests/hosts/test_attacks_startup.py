@@ -33,6 +33,7 @@ from gym_fork.hosts.process import host as process_host
 from gym_fork.hosts.process import zygote
 from tests.helpers import (
     _descendants,
+    alive,
     gym_fork_cgroups,
     gym_fork_scratch_dirs,
     kill_marked,
@@ -123,17 +124,8 @@ def _memfds(table: dict[int, str]) -> set[str]:
     return {t for t in table.values() if t.startswith("/memfd:")}
 
 
-def _live(pids) -> set[int]:
-    alive = set()
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.add(pid)
-    return alive
-
-
 def _idle_pids(envs: ForkVectorEnv) -> set[int]:
-    return _live(_descendants(envs.sandboxes.host.pid) - set(envs.worker_pids))
+    return alive(_descendants(envs.sandboxes.host.pid) - set(envs.worker_pids))
 
 
 # -- what a sandbox can reach -------------------------------------------------------------
@@ -151,7 +143,7 @@ def test_no_kind_of_sandbox_holds_the_controllers_zygotes_or_warm_parents_ends(m
         # A replacement is the warm parent's second spawn request: the pool fills.
         victim = envs.worker_pids[0]
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not _live({victim}), 10.0)
+        assert wait_until(lambda: not alive({victim}), 10.0)
         with contextlib.suppress(GymForkError):
             envs.step(TWO)
         envs.reset(seed=1)
@@ -159,7 +151,7 @@ def test_no_kind_of_sandbox_holds_the_controllers_zygotes_or_warm_parents_ends(m
         waiting = _idle_pids(envs)
         victim = envs.worker_pids[1]
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not _live({victim}), 10.0)
+        assert wait_until(lambda: not alive({victim}), 10.0)
         with contextlib.suppress(GymForkError):
             envs.step(TWO)
         envs.reset(seed=2)
@@ -339,7 +331,7 @@ def test_a_killed_warm_parent_with_idle_sandboxes_leaves_nothing(monkeypatch, na
         assert wait_until(lambda: len(_idle_pids(envs)) == 2, 20.0)
         tree = _descendants(envs.sandboxes.host.pid) | {envs.sandboxes.host.pid}
         os.kill(envs.sandboxes.host.pid, signal.SIGKILL)
-        assert wait_until(lambda: not _live(tree), 10.0), _live(tree)
+        assert wait_until(lambda: not alive(tree), 10.0), alive(tree)
         with contextlib.suppress(GymForkError):
             envs.step(TWO)
         envs.reset(seed=1)  # a new warm parent

@@ -13,7 +13,7 @@ import pytest
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import GymForkError
 from gym_fork.hosts.process import zygote
-from tests.helpers import _descendants, marked_processes, wait_until
+from tests.helpers import _descendants, alive, marked_processes, wait_until
 
 pytestmark = pytest.mark.process_only
 
@@ -86,11 +86,11 @@ def test_a_changed_startup_variable_gets_a_new_zygote_and_the_old_one_retires(mo
         assert old not in zygotes and len(zygotes) == zygote.MAX_ZYGOTES
         assert old not in {pid for pid, _ in zygote.running()}  # retired
         # Retired, it still holds the warm parent of a live vector env:
-        assert _alive(old)
+        assert alive({old})
         old_envs.step(np.array([0]))
     finally:
         old_envs.close()
-    assert wait_until(lambda: not _alive(old), 3.0), "a retired zygote outlived its last env"
+    assert wait_until(lambda: not alive({old}), 3.0), "a retired zygote outlived its last env"
 
 
 def test_a_killed_zygote_takes_its_trees_down_and_the_next_env_gets_a_new_one():
@@ -100,7 +100,7 @@ def test_a_killed_zygote_takes_its_trees_down_and_the_next_env_gets_a_new_one():
         victim = zygote_of(envs)
         workers = set(envs.worker_pids)
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not any(_alive(pid) for pid in workers), 3.0)
+        assert wait_until(lambda: not alive(workers), 3.0)
         with pytest.raises(GymForkError):
             envs.step(np.array([0]))
     finally:
@@ -118,14 +118,6 @@ def test_zygote_off_starts_a_fresh_interpreter(monkeypatch):
         envs.reset(seed=0)
         assert zygote_of(envs) is None
     assert zygote.running() == before
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_prestart_makes_the_zygote_the_first_vector_env_uses(monkeypatch):
@@ -166,5 +158,5 @@ def test_a_failed_fork_falls_back_and_spares_the_zygotes_other_warm_parents(monk
         monkeypatch.undo()
         monkeypatch.setenv("GYM_FORK_ZYGOTE", "1")
         first.step(np.array([0]))  # its warm parent lives: the zygote was retired, not closed
-        assert _alive(before)
-    assert wait_until(lambda: not _alive(before), 3.0)
+        assert alive({before})
+    assert wait_until(lambda: not alive({before}), 3.0)

@@ -16,7 +16,7 @@ from gymnasium import spaces
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 
 from gym_fork import BadActionError, BadObservationError, ForkVectorEnv, SubEnvCrashed
-from tests.helpers import SpaceEnv, descendants, wait_until
+from tests.helpers import SpaceEnv, alive, descendants, wait_until
 
 
 def cartpoles(n=2, **kwargs):
@@ -248,20 +248,8 @@ def test_sandboxes_die_within_two_seconds_of_a_sigkilled_controller(tmp_path):
         proc.kill()
         proc.wait()
         start = time.monotonic()
-        assert wait_until(lambda: not (everything & descendants_alive(everything)), 2.0)
+        assert wait_until(lambda: not (everything & alive(everything)), 2.0)
         assert time.monotonic() - start < 2.0
     finally:
         proc.kill()
         proc.stdout.close()
-
-
-def descendants_alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.add(pid)
-        except OSError:
-            pass
-    return alive
