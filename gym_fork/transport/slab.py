@@ -343,6 +343,15 @@ class Slab:
         self.terminations = self.terminations_leaf.array
         self.truncations = self.truncations_leaf.array
 
+    def copy_row(self, row: int, source: Slab, source_row: int) -> None:
+        """Row ``row`` becomes ``source``'s row ``source_row``: last observation, reward
+        and flags (a clone starts where its source stands)."""
+        self.rewards[row] = source.rewards[source_row]
+        self.terminations[row] = source.terminations[source_row]
+        self.truncations[row] = source.truncations[source_row]
+        if self.observations is not None:
+            self.observations.write(row, source.observations.read(source_row))
+
     def close(self) -> None:
         """Drop every view and unmap the region."""
         for part in (self.observations, self.actions):

@@ -176,12 +176,7 @@ def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
     sub-env j has a slab of its own, row 0)."""
     for j, i in enumerate(plan.sources):
         theirs, row = source.slabs.where(i)
-        mine = branch.slabs.slabs[j]
-        mine.rewards[0] = theirs.rewards[row]
-        mine.terminations[0] = theirs.terminations[row]
-        mine.truncations[0] = theirs.truncations[row]
-        if mine.observations is not None:
-            mine.observations.write(0, theirs.observations.read(row))
+        branch.slabs.slabs[j].copy_row(0, theirs, row)
     single = source_spaces.single_observation_space
     if branch.slabs.observation_layout is not None:
         return branch.slabs.observations()

@@ -314,11 +314,7 @@ class Sandboxes:
         # that does not rewrite a row (obs kept for a sub-env not reset) reads it.
         old = self.slabs.slabs[position]
         for row, slab in enumerate(slabs):
-            slab.rewards[0] = old.rewards[row]
-            slab.terminations[0] = old.terminations[row]
-            slab.truncations[0] = old.truncations[row]
-            if slab.observations is not None:
-                slab.observations.write(0, old.observations.read(row))
+            slab.copy_row(0, old, row)
         self.slabs.splice(position, slabs)
         self.pool.workers[position : position + 1] = clones
         worker.kill()
