@@ -7,10 +7,18 @@ be undone from inside: capabilities dropped from the bounding set never come bac
 a seccomp filter cannot be removed.
 
 The filter refuses (EPERM) the system calls that reach beyond the sandbox's own tree:
-joining or making namespaces, mounting, tracing or reading other processes, loading
-kernel code, keyrings. ``clone`` with a namespace flag is refused too; ``clone3`` passes
-its flags in memory a filter cannot read, so it fails with ENOSYS and the C library
-falls back to ``clone`` (threads and ``fork`` keep working).
+joining namespaces, tracing or reading other processes, loading kernel code, keyrings.
+``clone`` with a namespace flag is refused too; ``clone3`` passes its flags in memory a
+filter cannot read, so it fails with ENOSYS and the C library falls back to ``clone``
+(threads and ``fork`` keep working).
+
+One door is left open on purpose: ``unshare`` with CLONE_NEWUSER (and the mount calls a
+new user namespace needs). A clone made by ``fork()`` of a running sandbox uses it to
+get mount, IPC and network namespaces of its own (gym_fork/system/isolation.py): the
+capabilities it has there reach nothing but that namespace, as for any unprivileged
+user of the host. That is also why a sandbox keeps CAP_SETFCAP (see
+:data:`KEPT_FOR_CLONES`): without it the kernel refuses the clone's user namespace the
+mapping of its own uid 0, and a clone could not create a file of its own.
 """
 
 from __future__ import annotations
@@ -25,16 +33,10 @@ from gym_fork.system import linux
 # Refused with EPERM, whatever their arguments.
 REFUSED_SYSCALLS = (
     "setns",
-    "unshare",
-    "mount",
     "umount2",
     "pivot_root",
     "chroot",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
     "fspick",
-    "move_mount",
     "open_tree",
     "mount_setattr",
     "ptrace",
@@ -69,6 +71,14 @@ CLONE_NAMESPACE_FLAGS = (
     0x40000000,  # CLONE_NEWNET
 )
 
+CLONE_NEWUSER = 0x10000000
+# CAP_SETFCAP (31): needed, when a clone makes its user namespace, for mapping uid 0 in
+# it. Harmless where it is kept: every sandbox has no_new_privs (file capabilities are
+# never gained at exec) and writes only nosuid mounts of its own; kept only when the
+# sandbox shares no writable directory with the host (see isolation.enter_sandbox).
+CAP_SETFCAP = 31
+KEPT_FOR_CLONES = (CAP_SETFCAP,)
+
 _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
@@ -79,8 +89,8 @@ _CAP_VERSION_3 = 0x20080522
 # libseccomp attributes that would make its load pass flags to seccomp(2) (TSYNC, LOG,
 # SSB): the precompiled program is only loaded by hand while all are off.
 _SCMP_FLTATR_FLAGS = (4, 6, 7)
-# A Cap* line of /proc/<pid>/status with a capability left in it.
-_CAPABILITY_LEFT = re.compile(rb"^Cap\w+:\s*0*[1-9a-fA-F]", re.MULTILINE)
+# The Cap* lines of /proc/<pid>/status.
+_CAPABILITY_LINE = re.compile(rb"^Cap(\w+):\s*([0-9a-fA-F]+)", re.MULTILINE)
 
 
 class _CapHeader(ctypes.Structure):
@@ -108,6 +118,7 @@ _prctl.restype = ctypes.c_int
 # What this process (and so every process forked from it) has already given up.
 _seccomp_installed = 0
 _dropped = False
+_in_own_user_namespace = False  # a clone that made its own user namespace
 _prepared: tuple[object, int] | None = None  # built once, in the warm parent
 # The filter as a BPF program (kept alive: a sandbox loads it with one prctl) and the
 # capability plan (capabilities of the bounding set, whether any set is not empty), both
@@ -156,19 +167,34 @@ def _check_prctl(option: int, value: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def drop_capabilities() -> None:
-    """Empty every capability set: ambient, bounding, effective, permitted, inheritable.
+def _capabilities_left(keep_mask: int) -> bool:
+    """Does this process hold any capability beyond ``keep_mask`` (ambient and
+    inheritable: any at all)?"""
+    for name, value in _CAPABILITY_LINE.findall(_own_status()):
+        allowed = 0 if name in (b"Amb", b"Inh") else keep_mask
+        if int(value, 16) & ~allowed:
+            return True
+    return False
+
+
+def drop_capabilities(keep: tuple[int, ...] = ()) -> None:
+    """Empty every capability set (ambient, bounding, effective, permitted,
+    inheritable) but for the capabilities in ``keep``, left in the bounding, permitted
+    and effective sets.
 
     With an empty bounding set, not even executing a program as root gives any back.
-    Raises ConfinementError when a set is not empty afterwards (checked in this
-    process's /proc/self/status, whatever plan the drop followed)."""
+    Raises ConfinementError when a set holds more afterwards (checked in this process's
+    /proc/self/status, whatever plan the drop followed)."""
     global _dropped
+    keep_mask = sum(1 << cap for cap in set(keep))
     inherited_drop = _dropped  # forked from a sandbox that dropped them (a clone)
     _dropped = True  # even a partial drop leaves this process unable to make namespaces
     if inherited_drop:
-        if not _CAPABILITY_LEFT.search(_own_status()):
+        if not _capabilities_left(keep_mask):
             return
         plans: tuple = (None,)
+    elif _in_own_user_namespace:
+        plans = (None,)  # its capabilities are not the warm parent's: read them now
     else:
         # The warm parent's plan first (a fork has its capabilities), then, should any
         # be left, this process's own sets, read now.
@@ -179,12 +205,18 @@ def drop_capabilities() -> None:
             _check_prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
             # Bounding set first: dropping from it needs CAP_SETPCAP, which goes next.
             for cap in bounding:
-                _check_prctl(_PR_CAPBSET_DROP, cap)
+                if not keep_mask >> cap & 1:
+                    _check_prctl(_PR_CAPBSET_DROP, cap)
             header, data = _capset_args or (_CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)())
+            if keep_mask:
+                data = (_CapData * 2)()
+                for word in (0, 1):
+                    bits = keep_mask >> (32 * word) & 0xFFFFFFFF
+                    data[word].effective = data[word].permitted = bits
             if _libc.capset(ctypes.byref(header), data) != 0:
                 err = ctypes.get_errno()
                 raise ConfinementError(err, f"capset: {os.strerror(err)}")
-        if not _CAPABILITY_LEFT.search(_own_status()):
+        if not _capabilities_left(keep_mask):
             return
     left = {name: value for name, value in capability_sets().items() if value}
     raise ConfinementError(errno.EPERM, f"capabilities left after the drop: {left}")
@@ -229,6 +261,14 @@ def prepare_seccomp() -> tuple[object, int]:
                 continue  # not a system call on this architecture
             flt.add_rule(seccomp.ERRNO(errno.EPERM), name)
             refused += 1
+        # unshare only into a user namespace of its own (a clone's way to its own mount,
+        # IPC and network namespaces); anything else needs capabilities it has not.
+        flt.add_rule(
+            seccomp.ERRNO(errno.EPERM),
+            "unshare",
+            seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, 0),
+        )
+        refused += 1
         for flag in CLONE_NAMESPACE_FLAGS:
             # clone's flags are its first argument on every architecture we run on
             flt.add_rule(
@@ -300,3 +340,11 @@ def install_seccomp() -> int:
 def inherited() -> bool:
     """True in a process forked from a confined sandbox (a clone): it is confined already."""
     return _seccomp_installed > 0 or _dropped
+
+
+def forget_inherited_drop() -> None:
+    """In a clone that has just made its own user namespace (where it holds every
+    capability again): the next :func:`drop_capabilities` must drop, not only check."""
+    global _dropped, _in_own_user_namespace
+    _dropped = False
+    _in_own_user_namespace = True

@@ -17,12 +17,25 @@ Two levels, chosen so that the fork path stays fast:
   sandboxes see only their tree in a /proc of their own, orphans (clones, daemons of an
   env) are adopted by the warm parent, and when it dies the kernel kills every process
   of the tree.
-- Each sandbox is then **confined** (gym_fork/system/confine.py): no capabilities, not
-  dumpable, and a seccomp filter. Clones inherit that confinement from the sandbox they
-  are forked from, so they cannot make namespaces of their own: a clone shares its
-  source's mount and IPC namespaces and gets a private TMPDIR (a copy of its source's
-  own /tmp writes) instead: what it writes through ``tempfile``/TMPDIR is its own, what
-  it writes to a literal /tmp path its source sees (reported under ``missing``).
+- The tree has its own minimal **/dev** (a tmpfs with null, zero, full, random, urandom,
+  tty, a new devpts and GPU devices if any): no disk, no kernel memory, no host terminal.
+- Each sandbox sees the host **read-only** (every mount of its namespace made read-only,
+  recursively, before the first line of env code; /proc stays writable for the process's
+  own files but /proc/sys, /proc/sysrq-trigger, /proc/irq, /proc/bus and /proc/fs are
+  read-only, /sys with everything): it writes only its /tmp, its /dev/shm and the
+  ``writable_paths`` it is given. Its own network namespace (``network=False``) keeps
+  abstract UNIX sockets from its siblings too, and its oom_score_adj makes the kernel's
+  OOM killer pick it before the controller.
+- Each sandbox is then **confined** (gym_fork/system/confine.py): no capabilities (but
+  CAP_SETFCAP, see there), not dumpable, and a seccomp filter. A **clone** (``fork()`` of
+  a running sandbox) inherits that confinement and so cannot make namespaces in the
+  host's user namespace; it makes a user namespace of its own (uid 0 mapped to itself)
+  and in it its own mount, IPC and network namespaces: its /tmp is a new overlay on the
+  tree's /tmp whose upper layer starts as a copy of its source's writes at the fork, its
+  /dev/shm a copy of its source's. Nothing it writes afterwards reaches its source or
+  siblings, and nothing they write reaches it. User namespaces nest 32 deep: a clone
+  deeper than that (or where the kernel refuses user namespaces) falls back to a private
+  TMPDIR and says so under ``missing``.
 
 What is not isolated is reported, never assumed: see :func:`Isolation.report`.
 """
@@ -30,9 +43,11 @@ What is not isolated is reported, never assumed: see :func:`Isolation.report`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +75,55 @@ class SandboxLimits:
     processes: int | None = None
 
 
+# Each private tmpfs layer (the tree's /tmp, a sandbox's /tmp and /dev/shm) is at most
+# this big unless the caller says otherwise (tmpfs pages belong to no process: without a
+# size, a sandbox filling /tmp could take half the RAM).
+DEFAULT_TMPFS_BYTES = 1 << 30
+# The tree's /tmp, seen read-only by its sandboxes at this path of the tree's own /dev:
+# the lower layer a clone builds its own /tmp on (the sandbox's /tmp hides it).
+TREE_TMP_VIEW = "/dev/.gym_fork-tree-tmp"
+# Where the kernel takes settings or commands: read-only in every sandbox, as container
+# runtimes make them (runc's readonlyPaths).
+READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+# The devices of a sandbox's /dev (its own tmpfs): nothing that reaches hardware but
+# GPUs, which CUDA and EGL envs need.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+GPU_DEVICE_PREFIXES = ("nvidia",)
+GPU_DEVICE_DIRS = ("dri",)
+# Raised above the controller's so that the kernel's OOM killer picks a sandbox first.
+SANDBOX_OOM_SCORE_ADJ = 1000
+TREE_OOM_SCORE_ADJ = 500
+
+
 @dataclass(frozen=True)
 class IsolationConfig:
-    """What the caller asks for; :class:`Isolation` records what was achieved."""
+    """What the caller asks for; :class:`Isolation` records what was achieved.
+
+    ``writable_paths``: host directories a sandbox may write (bound writable into its
+    read-only view of the host, nosuid). ``tmpfs_bytes``: the size of each private
+    tmpfs layer (None: :data:`DEFAULT_TMPFS_BYTES`, or ``limits.memory_bytes`` when
+    smaller)."""
 
     namespaces: bool = True
     network: bool = False
     private_tmp: bool = True
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     confine: bool = True  # drop capabilities and install the seccomp filter
+    writable_paths: tuple[str, ...] = ()
+    tmpfs_bytes: int | None = None
+
+    def layer_bytes(self) -> int:
+        """The size of each private tmpfs layer."""
+        if self.tmpfs_bytes is not None:
+            return self.tmpfs_bytes
+        memory = self.limits.memory_bytes
+        return min(DEFAULT_TMPFS_BYTES, memory) if memory else DEFAULT_TMPFS_BYTES
+
+    def shared_writable(self) -> tuple[str, ...]:
+        """The host directories a sandbox writes: ``writable_paths``, and with
+        ``private_tmp=False`` the host's /tmp and /dev/shm."""
+        shared = () if self.private_tmp else ("/tmp", "/dev/shm")
+        return shared + tuple(self.writable_paths)
 
 
 @dataclass
@@ -102,16 +157,21 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _plain(v) if type(v) is dict else v for k, v in d.items()}
 
 
-# In a sandbox with a private /tmp overlay: the directory holding only its own writes.
-_PRIVATE_WRITES: str | None = None
+# In a sandbox with a private /tmp overlay: an fd of the tmpfs layer holding only its
+# own writes (in its ``upper`` directory).
+_PRIVATE_WRITES_FD: int | None = None
 # In a sandbox forking clones: the directory their TMPDIRs start from, when it was
 # empty just before the fork (each clone then skips listing it again).
 _EMPTY_CLONE_SOURCE: str | None = None
 
 
-def _remember_private_writes(path: str) -> None:
-    global _PRIVATE_WRITES
-    _PRIVATE_WRITES = path
+def _remember_private_writes(fd: int) -> None:
+    global _PRIVATE_WRITES_FD
+    _PRIVATE_WRITES_FD = fd
+
+
+def _private_writes() -> str | None:
+    return None if _PRIVATE_WRITES_FD is None else f"/proc/self/fd/{_PRIVATE_WRITES_FD}/upper"
 
 
 # -- tree level (warm parent) --------------------------------------------------------
@@ -149,6 +209,13 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
         achieved.tree["pid"] = True
     except OSError as exc:
         achieved.missing["pid"] = f"pid namespace: {exc}"
+    with contextlib.suppress(OSError):  # raising it needs no privilege
+        _write_text("/proc/self/oom_score_adj", str(TREE_OOM_SCORE_ADJ))
+    try:
+        _minimal_dev(config)
+        achieved.tree["minimal_dev"] = True
+    except OSError as exc:
+        achieved.missing["minimal_dev"] = f"the tree's own /dev: {exc}"
     if not config.private_tmp:
         achieved.missing["private_tmp"] = (
             "private_tmp=False (the caller's choice): /tmp and /dev/shm are the host's"
@@ -157,12 +224,65 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
     try:
         # /tmp: the host's files stay readable (the drop-in), writes land in the tree's
         # own layer. /dev/shm: an empty tmpfs (POSIX shared memory is not shared out).
-        os.close(ns.overlay_private_layer("/tmp"))
-        ns.mount("tmpfs", "/dev/shm", "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, "mode=1777")
+        size = config.layer_bytes()
+        os.close(ns.overlay_private_layer("/tmp", size))
+        ns.mount("tmpfs", "/dev/shm", "tmpfs", ns.MS_NOSUID | ns.MS_NODEV, f"mode=1777,size={size}")
         achieved.tree["private_tmp"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"overlay on /tmp failed ({exc.strerror})"
+        return achieved
+    if achieved.tree.get("minimal_dev"):
+        with contextlib.suppress(OSError):
+            os.mkdir(TREE_TMP_VIEW, 0o700)
+            ns.mount("/tmp", TREE_TMP_VIEW, None, ns.MS_BIND)
+            achieved.tree["tmp_view"] = True
     return achieved
+
+
+def _minimal_dev(config: IsolationConfig) -> None:
+    """Cover /dev with a tmpfs holding only the devices an env needs (bound from the
+    host's), a devpts of its own and, with ``private_tmp=False``, the host's /dev/shm."""
+    keep = [n for n in DEVICES if os.path.exists(f"/dev/{n}")]
+    with contextlib.suppress(OSError):
+        names = os.listdir("/dev")
+        keep += [n for n in names if n.startswith(GPU_DEVICE_PREFIXES)]
+        keep += [n for n in names if n in GPU_DEVICE_DIRS]
+    if not config.private_tmp:
+        keep.append("shm")
+    clones = {}
+    try:
+        for name in keep:
+            clones[name] = ns.clone_mount(f"/dev/{name}", recursive=True)
+        ns.mount("tmpfs", "/dev", "tmpfs", ns.MS_NOSUID | ns.MS_NOEXEC, "mode=755,size=1m")
+        for name, fd in list(clones.items()):
+            path = f"/dev/{name}"
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.mkdir(path, 0o755)
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o666))
+            del clones[name]
+            ns.attach_mount(fd, path)
+    finally:
+        for fd in clones.values():
+            os.close(fd)
+    if not os.path.exists("/dev/shm"):
+        os.mkdir("/dev/shm", 0o1777)
+    os.mkdir("/dev/pts", 0o755)
+    ns.mount(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        ns.MS_NOSUID | ns.MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=620",
+    )
+    for name, target in (
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        os.symlink(target, f"/dev/{name}")
 
 
 def become_tree_init(achieved: Isolation) -> None:
@@ -182,38 +302,28 @@ def enter_sandbox(
     and report.
 
     With namespaces the sandbox's /tmp and /dev/shm are its own tmpfs mounts (a copy of
-    its source's) and the scratch dir is None: nothing on the host to clean. Without,
-    or in a clone (which inherits its source's confinement and so cannot make mounts),
-    it gets a private directory as TMPDIR (``copy_from`` is the source's, copied for a
-    clone; None: the source's temp dir).
+    its source's for a clone) and the scratch dir is None: nothing on the host to clean.
+    Without (or in a clone that cannot make a user namespace) it gets a private
+    directory as TMPDIR (``copy_from`` is the source's, copied for a clone; None: the
+    source's temp dir).
     """
     achieved = Isolation(tree=dict(tree.tree), missing=dict(tree.missing), tree_id=tree.tree_id)
     owner = tree.tree_id or warm_parent
     scratch = None
     inherited = confine.inherited()
+    namespaced = config.namespaces and bool(tree.tree.get("mount"))
     if inherited:
-        why = (
-            "a clone shares its source's mount and IPC namespaces: the source dropped the "
-            "privileges that making new ones needs"
-        )
-        achieved.missing["sandbox_mount"] = why
-        if config.namespaces and tree.tree.get("mount"):
-            achieved.missing["ipc"] = why
         copy_from = _clone_source(copy_from, tree)
         if copy_from == _EMPTY_CLONE_SOURCE:
             copy_from = None  # nothing to copy: the source found it empty before the fork
-    elif tree.tree.get("private_tmp"):
-        try:
-            ns.unshare(ns.CLONE_NEWNS | ns.CLONE_NEWIPC)
-            achieved.sandbox.update(mount=True, ipc=True)
-            # Kept open: clones of this sandbox start their TMPDIR from its writes.
-            _remember_private_writes(f"/proc/self/fd/{ns.overlay_private_layer('/tmp')}/upper")
-            mount_fd = ns.new_tmpfs()
-            _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
-            ns.attach_mount(mount_fd, "/dev/shm")
-            achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
-        except OSError as exc:
-            achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
+        if namespaced:
+            _enter_clone_namespaces(config, tree, achieved)
+    elif namespaced:
+        _enter_sandbox_namespaces(config, tree, achieved, owner)
+    else:
+        achieved.missing["read_only_host"] = "no mount namespace: the host's files as they are"
+    if namespaced:
+        _report_read_only(config, achieved)
     if not config.private_tmp:
         pass  # the caller wants the host's /tmp: nothing private, nothing to copy
     elif not achieved.sandbox.get("private_tmp"):
@@ -227,23 +337,20 @@ def enter_sandbox(
     else:
         os.environ["TMPDIR"] = "/tmp"
         tempfile.tempdir = "/tmp"
-    if (
-        not inherited
-        and not achieved.sandbox.get("mount")
-        and config.namespaces
-        and tree.tree.get("mount")
-    ):
-        try:  # still give the sandbox its own IPC namespace
-            ns.unshare(ns.CLONE_NEWIPC)
-            achieved.sandbox["ipc"] = True
-        except OSError as exc:
-            achieved.missing["ipc"] = str(exc)
     try:
         linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
         achieved.sandbox["no_new_privs"] = True
     except OSError as exc:
         achieved.missing["no_new_privs"] = str(exc)
-    achieved.limits = apply_limits(config.limits, achieved.missing)
+    if not inherited and not achieved.sandbox.get("mount"):
+        # (with a mount namespace: applied before the read-only view)
+        achieved.limits = apply_limits(config.limits, achieved.missing)
+        _join_cgroups(config, achieved, owner)
+    _confine(config, achieved)
+    return scratch, achieved
+
+
+def _join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> None:
     limits = config.limits
     if limits.memory_bytes is not None or limits.processes is not None:
         joined = cgroups.join(owner, limits.memory_bytes, limits.processes)
@@ -252,15 +359,171 @@ def enter_sandbox(
         if "processes" in joined:
             achieved.missing.pop("limit_processes", None)  # pids.max binds root too
         achieved.limits["cgroups"] = joined
-    _confine(config, achieved)
-    return scratch, achieved
+
+
+def _enter_sandbox_namespaces(
+    config: IsolationConfig, tree: Isolation, achieved: Isolation, owner: int
+) -> None:
+    """A sandbox forked by the warm parent (privileged still): its own mount, IPC and
+    (``network=False``) network namespaces, cgroups, a read-only view of the host, then
+    its own /tmp and /dev/shm."""
+    flags = ns.CLONE_NEWNS | ns.CLONE_NEWIPC | (0 if config.network else ns.CLONE_NEWNET)
+    try:
+        ns.unshare(flags)
+    except OSError as exc:
+        achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
+        with contextlib.suppress(OSError):  # still give the sandbox its own IPC namespace
+            ns.unshare(ns.CLONE_NEWIPC)
+            achieved.sandbox["ipc"] = True
+        return
+    achieved.sandbox.update(mount=True, ipc=True, net=not config.network)
+    with contextlib.suppress(OSError):
+        _write_text("/proc/self/oom_score_adj", str(SANDBOX_OOM_SCORE_ADJ))
+        achieved.sandbox["oom_score_adj"] = SANDBOX_OOM_SCORE_ADJ
+    achieved.limits = apply_limits(config.limits, achieved.missing)
+    _join_cgroups(config, achieved, owner)  # cgroupfs is read-only from here on
+    try:
+        _read_only_view(config.shared_writable())
+    except OSError as exc:
+        achieved.missing["read_only_host"] = f"read-only view of the host: {exc}"
+    if not tree.tree.get("private_tmp"):
+        return
+    try:
+        size = config.layer_bytes()
+        # Kept open: clones of this sandbox start their /tmp from its writes.
+        _remember_private_writes(ns.overlay_private_layer("/tmp", size))
+        mount_fd = ns.new_tmpfs(size)
+        _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
+        ns.attach_mount(mount_fd, "/dev/shm")
+        achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
+    except OSError as exc:
+        achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
+
+
+def _read_only_view(writable: tuple[str, ...]) -> None:
+    """Make every mount of this (new) mount namespace read-only but ``writable``
+    (nosuid) and /proc (except the kernel's settings in :data:`READ_ONLY_PROC`)."""
+    kept = []
+    try:
+        for path in writable:
+            kept.append((path, ns.clone_mount(path, recursive=True)))
+        ns.set_mount_attributes("/", recursive=True, set_=ns.MOUNT_ATTR_RDONLY)
+        # A process writes some of its own /proc files (oom_score_adj, a user
+        # namespace's uid_map): /proc itself stays writable, the kernel's knobs do not.
+        ns.set_mount_attributes("/proc", recursive=False, clear=ns.MOUNT_ATTR_RDONLY)
+        for path in READ_ONLY_PROC:
+            if os.path.exists(path):
+                ns.bind_read_only(path)
+        while kept:
+            path, fd = kept.pop()
+            try:
+                ns.set_mount_attributes(
+                    fd,
+                    recursive=True,
+                    set_=ns.MOUNT_ATTR_NOSUID | ns.MOUNT_ATTR_NODEV,
+                    clear=ns.MOUNT_ATTR_RDONLY,
+                )
+            except BaseException:
+                os.close(fd)
+                raise
+            ns.attach_mount(fd, path)
+    finally:
+        for _, fd in kept:
+            os.close(fd)
+
+
+def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: Isolation) -> None:
+    """A clone (forked from a confined sandbox): a user namespace of its own, and in it
+    mount, IPC and network namespaces; its /tmp and /dev/shm start as copies of its
+    source's. On failure nothing is changed and the reason is under ``missing``."""
+    global _PRIVATE_WRITES_FD
+    flags = ns.CLONE_NEWUSER | ns.CLONE_NEWNS | ns.CLONE_NEWIPC
+    flags |= 0 if config.network else ns.CLONE_NEWNET
+    why = "a clone shares its source's mount and IPC namespaces"
+    if config.shared_writable():
+        why += ": user namespaces for clones are off where a host directory is writable"
+        achieved.missing["sandbox_mount"] = achieved.missing["ipc"] = why
+        return
+    uid, gid = os.geteuid(), os.getegid()  # as the host sees them: read before unshare
+    try:
+        ns.unshare(flags)
+    except OSError as exc:
+        reason = "nested 32 deep already" if exc.errno == errno.EUSERS else exc.strerror
+        achieved.missing["sandbox_mount"] = achieved.missing["ipc"] = (
+            f"{why}: no user namespace of its own ({reason})"
+        )
+        return
+    confine.forget_inherited_drop()  # every capability again, in this namespace only
+    achieved.sandbox.update(user=True, mount=True, ipc=True, net=not config.network)
+    try:
+        _write_text("/proc/self/setgroups", "deny")
+        _write_text("/proc/self/uid_map", f"0 {uid} 1\n")
+        _write_text("/proc/self/gid_map", f"0 {gid} 1\n")
+        if not tree.tree.get("private_tmp") or not tree.tree.get("tmp_view"):
+            return
+        source = _PRIVATE_WRITES_FD
+        size = config.layer_bytes()
+
+        def fill(upper: str) -> None:
+            writes = _private_writes()
+            if writes is not None and writes != _EMPTY_CLONE_SOURCE:
+                _copy_tree(writes, upper)
+
+        own = ns.overlay_private_layer(
+            "/tmp", size, lower=TREE_TMP_VIEW, fill=fill, in_user_namespace=True
+        )
+        if source is not None:
+            os.close(source)  # the source's layer: not this clone's to write
+        _PRIVATE_WRITES_FD = own
+        mount_fd = ns.new_tmpfs(size)
+        _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
+        ns.attach_mount(mount_fd, "/dev/shm")
+        achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
+    except OSError as exc:
+        achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"
+
+
+# Mounts a sandbox writes by design (besides ``writable_paths``).
+_OWN_MOUNTS = ("/tmp", "/dev/shm", "/proc", "/dev/pts")
+
+
+def _report_read_only(config: IsolationConfig, achieved: Isolation) -> None:
+    """Measure, in /proc/self/mountinfo, which mounts this sandbox can write: the host
+    is reported read-only only if nothing but its own layers and ``writable_paths`` is."""
+    allowed = set(_OWN_MOUNTS) | set(config.shared_writable())
+    writable = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                point, options = fields[4].decode(), fields[5].split(b",")
+                if b"rw" in options and point not in allowed:
+                    writable.append(point)
+    except (OSError, IndexError, UnicodeDecodeError) as exc:
+        achieved.missing["read_only_host"] = f"mountinfo unreadable: {exc}"
+        return
+    if writable:
+        achieved.missing.setdefault(
+            "read_only_host", f"writable mounts of the host: {', '.join(sorted(writable))}"
+        )
+    else:
+        achieved.sandbox["read_only_host"] = True
+        achieved.sandbox["writable"] = list(config.shared_writable())
+
+
+def _write_text(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
     """What a clone's TMPDIR starts from: its source's scratch dir, or with a private
     /tmp the source's own writes (not the whole /tmp: its lower layer is the host's)."""
     if copy_from is None and tree.tree.get("private_tmp"):
-        return _PRIVATE_WRITES or tempfile.gettempdir()
+        return _private_writes() or tempfile.gettempdir()
     return copy_from
 
 
@@ -299,9 +562,11 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
     if os.geteuid() == 0:
         with contextlib.suppress(OSError):
             confine.forbid_tracing()
+    # Clones make their own user namespace, which needs CAP_SETFCAP (confine.py).
+    keep = confine.KEPT_FOR_CLONES if _clones_get_namespaces(config, achieved) else ()
     try:
-        confine.drop_capabilities()
-        achieved.sandbox["capabilities"] = "dropped"
+        confine.drop_capabilities(keep)
+        achieved.sandbox["capabilities"] = "dropped, but CAP_SETFCAP" if keep else "dropped"
     except OSError as exc:
         achieved.missing["capabilities"] = str(exc)
     if not achieved.sandbox.get("no_new_privs"):
@@ -312,6 +577,14 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
         achieved.sandbox["seccomp"] = f"on ({refused} syscalls refused)"
     except OSError as exc:
         achieved.missing["seccomp"] = str(exc)
+
+
+def _clones_get_namespaces(config: IsolationConfig, achieved: Isolation) -> bool:
+    return (
+        bool(achieved.sandbox.get("mount") and achieved.sandbox.get("private_tmp"))
+        and bool(achieved.tree.get("tmp_view"))
+        and not config.shared_writable()
+    )
 
 
 def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
@@ -333,13 +606,29 @@ def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
     ]
     for name in names:
         src, dst = os.path.join(source, name), os.path.join(target, name)
-        with contextlib.suppress(OSError):
-            if os.lstat(src).st_dev != device:
-                continue
+        try:
+            info = os.lstat(src)
+        except OSError:
+            continue
+        if info.st_dev != device or stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+            continue  # another mount, or an overlay's whiteout: not copied
+        if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+            continue
         if os.path.isdir(src) and not os.path.islink(src):
-            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
         else:
             shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _special_files(directory: str, names: list[str]) -> set[str]:
+    """Devices (an overlay's whiteouts), fifos and sockets: names copytree leaves out."""
+    special = set()
+    for name in names:
+        with contextlib.suppress(OSError):
+            mode = os.lstat(os.path.join(directory, name)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                special.add(name)
+    return special
 
 
 _RLIMITS = {

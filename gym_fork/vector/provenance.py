@@ -168,7 +168,7 @@ def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> N
         chosen.add("private_tmp")
     if not config.isolation.namespaces:  # every layer made of namespaces is declined
         chosen |= {"namespaces", "mount", "uts", "net", "pid", "ipc", "proc", "private_tmp"}
-        chosen |= {"sandbox_mount"}
+        chosen |= {"sandbox_mount", "read_only_host", "minimal_dev"}
     if config.host == "inline":
         chosen.add("process")
     missing = {k: v for k, v in isolation.get("missing", {}).items() if k not in chosen}

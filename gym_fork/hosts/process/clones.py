@@ -108,9 +108,13 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
                 for k in range(part, len(plan), parts):
                     clone = os.fork()
                     if clone == 0:
-                        os.close(write_end)
                         os.close(gate_write)
-                        _become_clone(worker, plan[k], branch_arg, capacity, gate_read, crowded)
+                        # write_end is kept until the clone has copied its source's
+                        # /tmp and /dev/shm: the source waits for its EOF, so it cannot
+                        # change them before every clone has its snapshot.
+                        _become_clone(
+                            worker, plan[k], branch_arg, capacity, gate_read, crowded, write_end
+                        )
                     # 16 bytes < PIPE_BUF: writes from several intermediates never mix
                     os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
             finally:
@@ -165,7 +169,7 @@ def _first_wait_asleep(channel: Channel) -> None:
 
 
 def _become_clone(
-    worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate, crowded: bool
+    worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate, crowded: bool, snapshot: int
 ) -> None:
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
     redirect_output(out_fd, err_fd)
@@ -190,6 +194,7 @@ def _become_clone(
         )
         child.slots = [slot]
         child.enter_sandbox(copy_from=worker.scratch)
+        os.close(snapshot)
         child.attach(branch_arg)
         child.channel.send([P.HELLO, 0, child.identity(), None])
         _await_adoption(gate, worker.warm_parent)
