@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from gym_fork.errors import PeerGone, RingTimeout, TransportError
 
-from .codec import pack, unpack
+from . import codec
+from .codec import DecodeTooBig, check_bounds, pack, unpack
 from .region import Region
 from .ring import CONTROL_BYTES, Ring, ring_bytes
 
@@ -63,6 +65,9 @@ class Channel:
         # lists the sizes of those in the last record, for the reader to refuse it.
         self.allow_pickle = True
         self.refused: list[int] = []
+        # The values a record from a sandbox may decode to (see gym_fork.transport.codec);
+        # a worker reads the controller's records unbounded.
+        self.max_objects = codec.MAX_OBJECTS if controller else None
         requests = Ring(region, 0, capacity, create=create, name=f"{name} requests", poll=poll)
         replies = Ring(
             region,
@@ -122,6 +127,18 @@ class Channel:
         except BaseException:
             region.close()
             raise
+
+    @property
+    def max_objects(self) -> int | None:
+        """The most values one incoming record may decode to (None: no bound); a record
+        holding more raises :class:`DecodeTooBig` before any of it is built."""
+        return self._max_objects
+
+    @max_objects.setter
+    def max_objects(self, value: int | None) -> None:
+        self._max_objects = value
+        # A record of at most this many bytes cannot hold more values: not walked.
+        self._unchecked = sys.maxsize if value is None else value
 
     def positions(self) -> bytes:
         """Both rings' control blocks (positions and sequence numbers), for a copy."""
@@ -209,7 +226,10 @@ class Channel:
         """
         if self._torn_in is None:
             view = self.inbox.read(timeout, alive)
-            if len(view) and view[-1] == WHOLE:
+            size = len(view)
+            if size and view[-1] == WHOLE:
+                if size > self._unchecked:
+                    self._check(view[:-1])
                 return self._decode(view[:-1])
         else:
             view = None
@@ -263,7 +283,23 @@ class Channel:
             # The rest of this message may still come: never splice it onto the next one.
             self._torn_in = f"{type(exc).__name__} after {parts} parts"
             raise
+        if len(data) > self._unchecked:
+            self._check(data)
         return self._decode(data)
+
+    def _check(self, data) -> None:
+        """Refuse a record holding more values than :attr:`max_objects` (it was read
+        whole: the channel stays in step)."""
+        try:
+            check_bounds(data, self._max_objects)
+        except DecodeTooBig as exc:
+            raise DecodeTooBig(f"{self.inbox.name!r}: {exc}", worker=self.inbox.name) from None
+        except ValueError as exc:
+            raise TransportError(
+                f"{self.inbox.name!r}: a record does not decode ({exc})",
+                worker=self.inbox.name,
+                reason="decode",
+            ) from None
 
     def _decode(self, data) -> Any:
         try:

@@ -6,11 +6,22 @@ encoded: tuples stay tuples, Graph values stay GraphInstances, numpy arrays and 
 keep dtype and shape (their bytes travel raw, not element by element). Anything else
 falls back to cloudpickle (which an untrusted peer's reader refuses); a value that cannot
 be pickled either raises :class:`EncodeError` naming its type.
+
+What a sandbox sends is decoded with a bound on the values it builds
+(``unpack(..., max_objects=MAX_OBJECTS)``): a 1-byte msgpack map becomes a 64-byte dict,
+so the wire bound alone let a record grow ~70x in the reader. A record that holds more
+than ``MAX_OBJECTS`` values (``$GYM_FORK_MAX_DECODE_OBJECTS``, default 2**20: 60-125 MiB
+of Python objects at most, dicts 73, small strs 60, empty numpy arrays 122) raises
+:class:`DecodeTooBig` before any of it is built. A str, bytes or numpy array is one value
+whatever its size: raw payloads are bounded by the wire bound alone. Records no longer
+than the bound in bytes (every step reply) cannot hold more values and skip the check.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -18,7 +29,7 @@ import msgpack
 import numpy as np
 from gymnasium.spaces import GraphInstance
 
-from gym_fork.errors import EncodeError
+from gym_fork.errors import EncodeError, TransportError
 
 EXT_NDARRAY = 1
 EXT_TUPLE = 2
@@ -27,6 +38,51 @@ EXT_PICKLE = 4
 EXT_GRAPH = 5
 
 _META = struct.Struct("<I")
+
+MAX_OBJECTS_ENV = "GYM_FORK_MAX_DECODE_OBJECTS"
+DEFAULT_MAX_OBJECTS = 1 << 20
+# An ndarray's (dtype, shape) header: numpy has at most 64 dimensions.
+_META_LIMITS = {"max_array_len": 64, "max_map_len": 0, "max_str_len": 1024, "max_bin_len": 0}
+
+
+def _max_objects_from_env() -> int:
+    raw = os.environ.get(MAX_OBJECTS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_OBJECTS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        warnings.warn(
+            f"{MAX_OBJECTS_ENV}={raw!r} is not a positive int; using {DEFAULT_MAX_OBJECTS}",
+            stacklevel=2,
+        )
+        return DEFAULT_MAX_OBJECTS
+    return value
+
+
+# Read once at import (the controller's readers take it when they are made).
+MAX_OBJECTS = _max_objects_from_env()
+
+
+class DecodeTooBig(TransportError):
+    """A record holds more values than its reader's bound (a sandbox's decode bomb);
+    nothing of it was built. ``reason`` is ``"too_big"``, as for an oversize message."""
+
+    code = "decode_too_big"
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message, worker=worker, reason="too_big")
+
+
+def _too_big(limit: int) -> DecodeTooBig:
+    return DecodeTooBig(
+        f"a record holds more than the {limit} values one record may decode to (every "
+        "list, dict key and value, item and scalar counts; a str, bytes or numpy array "
+        "is one value). Send bulk data as numpy arrays or bytes, or set "
+        f"${MAX_OBJECTS_ENV} to raise the bound"
+    )
 
 
 def _default(obj: Any) -> msgpack.ExtType:
@@ -54,16 +110,24 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return tuple(unpack(data))
     if code == EXT_GRAPH:
         return GraphInstance(*unpack(data, allow_pickle=False))
+    if code == EXT_PICKLE:
+        return cloudpickle.loads(data)
+    return _plain_ext(code, data)
+
+
+def _plain_ext(code: int, data: bytes) -> Any:
+    """An ext value that holds no other values: an array, a numpy scalar, unknown."""
     if code == EXT_NDARRAY:
         (meta_len,) = _META.unpack_from(data)
-        dtype, shape = msgpack.unpackb(data[4 : 4 + meta_len])
+        try:
+            dtype, shape = msgpack.unpackb(data[4 : 4 + meta_len], **_META_LIMITS)
+        except ValueError as exc:
+            raise ValueError(f"a malformed ndarray header ({type(exc).__name__})") from None
         raw = data[4 + meta_len :]
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
     if code == EXT_NPSCALAR:
         dtype, _, raw = data.partition(b"\0")
         return np.frombuffer(raw, dtype=np.dtype(dtype.decode()))[0]
-    if code == EXT_PICKLE:
-        return cloudpickle.loads(data)
     return msgpack.ExtType(code, data)
 
 
@@ -118,9 +182,129 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
 
 
-def unpack(data, *, allow_pickle: bool = True, refused: list[int] | None = None) -> Any:
+# -- bounds on what a record from a sandbox decodes to ------------------------------
+# The size of a whole value for each first byte of a value of fixed size (0: the others:
+# containers, str, bin, ext).
+_FIXED = [0] * 256
+for _b in (*range(0x00, 0x80), *range(0xE0, 0x100), 0xC0, 0xC2, 0xC3, 0x80, 0x90):
+    _FIXED[_b] = 1  # fixint, nil, false, true, {}, []
+for _b in range(0xA0, 0xC0):
+    _FIXED[_b] = 1 + (_b & 0x1F)  # fixstr
+for _b, _size in {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}.items():
+    _FIXED[_b] = _size  # float32/64, uint8..64
+for _b, _size in {0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}.items():
+    _FIXED[_b] = _size  # int8..64
+# str8/16/32, bin8/16/32, ext8/16/32: the width of their length field.
+_LENGTH_WIDTH = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
+_EXT_VARIABLE = (0xC7, 0xC8, 0xC9)
+_FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
+_NESTED_EXT = (EXT_TUPLE, EXT_GRAPH)  # ext values whose payload is a msgpack record
+_UINT = {1: struct.Struct(">B").unpack_from, 2: struct.Struct(">H").unpack_from}
+_UINT[4] = struct.Struct(">I").unpack_from
+# msgpack's own stack holds 1024 levels; deeper records never decode.
+_MAX_DEPTH = 1024
+
+
+def check_bounds(data, max_objects: int) -> None:
+    """Walk a record's structure without building anything: raise :class:`DecodeTooBig`
+    if it holds more than ``max_objects`` values (every value counts once: containers,
+    their items, dict keys, scalars, ext values and the values inside tuple and Graph
+    ext values; a str, bytes or numpy array is one value whatever its size), and
+    ``ValueError`` if a container announces more items than bytes are left (msgpack
+    would allocate for them before finding out) or the record is cut short.
+
+    Items are counted at their container's header, so a bomb is refused before msgpack
+    builds any of it; the walk costs about what decoding a record's scalars costs."""
+    if max_objects < 1:
+        raise _too_big(max_objects)
+    fixed = _FIXED
+    end = len(data)
+    pos = 0
+    total = 1  # the top value
+    pending = 1  # values still to read at this level
+    # Enclosing levels: (values left there after this one, their end, where to resume:
+    # -1 for a container, the end of its payload for a nested ext value).
+    stack: list[tuple[int, int, int]] = []
+    while True:
+        if not pending:
+            if not stack:
+                if pos != end:
+                    raise ValueError(f"a record of {end} bytes holds a value of {pos}")
+                return
+            pending, end, resume = stack.pop()
+            if resume >= 0:
+                pos = resume
+            continue
+        if pos >= end:
+            raise ValueError("a record is cut short in the middle of a value")
+        b = data[pos]
+        size = fixed[b]
+        if size:
+            pos += size
+            pending -= 1
+            continue
+        if 0x80 <= b <= 0x9F:  # fixmap, fixarray
+            head, items = 1, (b & 0x0F) if b >= 0x90 else 2 * (b & 0x0F)
+        elif 0xDC <= b <= 0xDF:  # array16/32, map16/32
+            head = 3 if b in (0xDC, 0xDE) else 5
+            if pos + head > end:
+                raise ValueError("a record is cut short in a container's header")
+            (n,) = _UINT[head - 1](data, pos + 1)
+            items = n if b <= 0xDD else 2 * n
+        elif b in _LENGTH_WIDTH or b in _FIXEXT:
+            if b in _FIXEXT:
+                head, n = 2, _FIXEXT[b]
+            else:
+                width = _LENGTH_WIDTH[b]
+                head = 1 + width + (b in _EXT_VARIABLE)
+                if pos + head > end:
+                    raise ValueError("a record is cut short in a value's header")
+                (n,) = _UINT[width](data, pos + 1)
+            payload = pos + head
+            pos = payload + n
+            pending -= 1
+            if (b in _FIXEXT or b in _EXT_VARIABLE) and data[payload - 1] in _NESTED_EXT:
+                if pos > end:
+                    raise ValueError("a record is cut short in an ext value")
+                total += 1  # the value its payload holds
+                if total > max_objects:
+                    raise _too_big(max_objects)
+                if len(stack) >= _MAX_DEPTH:
+                    raise ValueError(f"a record nests deeper than {_MAX_DEPTH} levels")
+                stack.append((pending, end, pos))
+                pending, end, pos = 1, pos, payload
+            continue
+        else:
+            raise ValueError(f"byte 0x{b:02x} does not start a msgpack value")
+        pos += head
+        if items > end - pos:
+            raise ValueError(f"a container announces {items} values with {end - pos} bytes left")
+        total += items
+        if total > max_objects:
+            raise _too_big(max_objects)
+        pending -= 1
+        if items:
+            if len(stack) >= _MAX_DEPTH:
+                raise ValueError(f"a record nests deeper than {_MAX_DEPTH} levels")
+            stack.append((pending, end, -1))
+            pending = items
+
+
+def unpack(
+    data,
+    *,
+    allow_pickle: bool = True,
+    refused: list[int] | None = None,
+    max_objects: int | None = None,
+) -> Any:
     """Decode bytes produced by :func:`pack`. With ``allow_pickle=False`` a pickled
     value is not loaded: it decodes to a :class:`RefusedPickle` and its size is
-    appended to ``refused``, for the caller to refuse the record."""
+    appended to ``refused``, for the caller to refuse the record.
+
+    ``max_objects`` (a reader of a sandbox: :data:`MAX_OBJECTS`) bounds the values the
+    record decodes to: :func:`check_bounds` walks it first, unless it is too short to
+    hold that many (every value takes at least one byte)."""
+    if max_objects is not None and len(data) > max_objects:
+        check_bounds(data, max_objects)
     hook = _ext_hook if allow_pickle else _no_pickle_hook([] if refused is None else refused)
     return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)

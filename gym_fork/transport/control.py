@@ -13,7 +13,8 @@ import struct
 from typing import Any
 
 from gym_fork.errors import ControlMessageError
-from gym_fork.transport.codec import pack, unpack
+from gym_fork.transport import codec
+from gym_fork.transport.codec import DecodeTooBig, pack, unpack
 
 _HEADER = struct.Struct("<II")  # payload length, number of fds
 MAX_FDS = 253  # SCM_MAX_FD: the kernel passes at most this many per message
@@ -82,7 +83,10 @@ def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tup
             )
         payload = _recv_exact(sock, length)
         try:
-            message = unpack(payload)
+            # Bounded as a ring record (a sandbox writes on its side socket).
+            message = unpack(payload, max_objects=codec.MAX_OBJECTS)
+        except DecodeTooBig as exc:
+            raise ControlMessageError(f"a control message: {exc}", reason="too_big") from None
         except Exception as exc:
             raise ControlMessageError(
                 f"a control message does not decode ({type(exc).__name__}: {exc})",
