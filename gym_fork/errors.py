@@ -128,14 +128,51 @@ class EncodeError(GymForkError, TypeError):
     code = "encode"
 
 
+# gym_fork's own errors that a sandbox raises on a sub-env's behalf, rebuilt by name.
+_SANDBOX_ERRORS = ("BadObservationError", "BadActionError", "EncodeError")
+
+
+def _known_exception(type_name: str) -> type | None:
+    """The exception class ``type_name`` names among code the controller has already
+    loaded: a builtin, one of gym_fork's sandbox errors or one of ``gymnasium.error``."""
+    import gymnasium.error
+
+    candidates = [getattr(builtins, type_name, None)]
+    if type_name in _SANDBOX_ERRORS:
+        candidates.append(globals()[type_name])
+    candidates.append(getattr(gymnasium.error, type_name, None))
+    for known in candidates:
+        if isinstance(known, type) and issubclass(known, Exception):
+            return known
+    return None
+
+
 @functools.cache
-def like_builtin(base: type[GymForkError], type_name: str) -> type[GymForkError]:
-    """``base``, also an instance of the builtin exception a sandbox named (so that
-    ``except ValueError`` still works) without loading anything the sandbox sent."""
-    builtin = getattr(builtins, type_name, None)
-    if isinstance(builtin, type) and issubclass(builtin, Exception):
-        try:
-            return type(f"{base.__name__}[{type_name}]", (base, builtin), {})
-        except TypeError:  # a builtin whose layout cannot be mixed in
-            return base
+def like_builtin(
+    base: type[GymForkError], type_name: str, bases: tuple[str, ...] = ()
+) -> type[GymForkError]:
+    """``base``, also an instance of the exception type a sandbox named, or else of the
+    nearest of its ``bases`` (their names, nearest first) that is a builtin, one of
+    gym_fork's ``BadObservationError``/``BadActionError``/``EncodeError`` or a
+    ``gymnasium.error`` class (matched by name only), so that ``except ValueError``
+    still works, without loading anything the sandbox sent. A type that cannot be mixed
+    in or built from a message alone is passed over for its own nearest base
+    (``UnicodeDecodeError``: ``UnicodeError``); none known gives ``base``."""
+    for name in (type_name, *bases):
+        known = _known_exception(name)
+        for candidate in known.__mro__ if known is not None else ():
+            if candidate is Exception:
+                break
+            try:
+                # str() is the message as sent (KeyError's own __str__ would quote it).
+                mixed = type(
+                    f"{base.__name__}[{type_name}]",
+                    (base, candidate),
+                    {"__str__": BaseException.__str__},
+                )
+                probe = candidate.__new__(mixed, "probe")
+                candidate.__init__(probe, "probe")
+            except TypeError:  # a layout that cannot be mixed in, or more arguments needed
+                continue
+            return mixed
     return base

@@ -2,21 +2,33 @@
 controller can learn a sandbox's spaces without unpickling anything it sent.
 
 One encoder and one decoder per space type (``functools.singledispatch``): a custom
-space registers its own pair with :func:`register_space`. A space without one travels
-pickled, which only a controller that trusts its sandboxes accepts.
+space registers its own pair with :func:`register_space`. A space without one travels by
+reference when it can: its class's module and qualified name, and its attributes as
+plain data (numbers, strings, arrays, dtypes, numpy Generators, nested spaces); a
+controller rebuilds it from the class it has already imported (it never imports one),
+without running ``__init__``. Anything else travels pickled, which only a controller
+that trusts its sandboxes accepts (a by-reference space carries its pickle too, and a
+trusted controller loads that: exactly what the sandbox had).
+
+:func:`value_to_data` / :func:`value_from_data` carry, for the ring's codec, the
+values a Gymnasium user reads with ``get_attr`` that msgpack does not: spaces, an
+``EnvSpec`` (as its JSON) and a numpy ``Generator`` (its bit generator's state).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import cloudpickle
 import numpy as np
 from gymnasium import Space, spaces
+from gymnasium.envs.registration import EnvSpec
 
 PICKLED = "pickled"
+REFERENCE = "reference"
 
 _DECODERS: dict[str, Callable[[dict[str, Any]], Space]] = {}
 
@@ -27,8 +39,18 @@ class SpaceRefused(ValueError):
 
 @functools.singledispatch
 def space_to_data(space: Space) -> dict[str, Any]:
-    """Plain data for ``space`` (a pickle for types without a registered encoder)."""
-    return {"kind": PICKLED, "bytes": cloudpickle.dumps(space)}
+    """Plain data for ``space``: a type without a registered encoder travels by
+    reference where its attributes are plain data, else pickled."""
+    try:
+        pickled = cloudpickle.dumps(space)
+    except Exception:
+        pickled = None
+    reference = _reference_to_data(space)
+    if reference is not None:
+        return reference if pickled is None else {**reference, "bytes": pickled}
+    if pickled is None:
+        cloudpickle.dumps(space)  # raise its error
+    return {"kind": PICKLED, "bytes": pickled}
 
 
 def space_from_data(data: Any, *, trusted: bool) -> Space:
@@ -44,7 +66,9 @@ def space_from_data(data: Any, *, trusted: bool) -> Space:
                 "gym_fork.transport.space_codec.register_space, or pass trusted=True."
             )
         return cloudpickle.loads(data["bytes"])
-    decoder = _DECODERS.get(kind)
+    if kind == REFERENCE and trusted and isinstance(data.get("bytes"), bytes):
+        return cloudpickle.loads(data["bytes"])  # exactly what the sandbox had
+    decoder = _reference_from_data if kind == REFERENCE else _DECODERS.get(kind)
     if decoder is None:
         raise SpaceRefused(f"unknown space kind {kind!r:.50}")
     try:
@@ -158,7 +182,9 @@ def _plain_dtype(value: Any) -> str:
 
 
 def _is_plain(value: Any) -> bool:
-    if value is None or type(value) in (bool, int, float, str, bytes):
+    if type(value) is int:
+        return -(1 << 63) <= value < 1 << 64  # what msgpack carries
+    if value is None or type(value) in (bool, float, str, bytes):
         return True
     if type(value) in (list, tuple):
         return all(_is_plain(v) for v in value)
@@ -194,3 +220,162 @@ def mapping_from_data(data: Any, *, trusted: bool) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# -- spaces by reference ------------------------------------------------------------
+def _reference_to_data(space: Space) -> dict[str, Any] | None:
+    """``space`` as its class's name and its attributes as plain data, or None where
+    the class has no importable name or an attribute is not plain data."""
+    cls = type(space)
+    if "<locals>" in cls.__qualname__ or not isinstance(getattr(space, "__dict__", None), dict):
+        return None
+    state = {}
+    for name, value in vars(space).items():
+        item = _attribute_to_data(value)
+        if type(name) is not str or item is None:
+            return None
+        state[name] = item
+    return {
+        "kind": REFERENCE,
+        "module": cls.__module__,
+        "qualname": cls.__qualname__,
+        "state": state,
+    }
+
+
+def _attribute_to_data(value: Any) -> list[Any] | None:
+    if _is_plain(value):
+        return ["plain", value]
+    if isinstance(value, np.dtype) and not value.hasobject:
+        return ["dtype", value.str]
+    if isinstance(value, np.random.Generator):
+        rng = generator_to_data(value)
+        return None if rng is None else ["generator", rng]
+    if isinstance(value, Space):
+        return ["space", space_to_data(value)]
+    return None
+
+
+def _reference_from_data(data: dict[str, Any], trusted: bool) -> Space:
+    """Rebuild a space from a class this controller has already imported: looked up in
+    ``sys.modules`` and class dicts (no import, no attribute hook runs), created without
+    ``__init__``, its attributes set from plain data."""
+    module_name, qualname = str(data["module"])[:500], str(data["qualname"])[:500]
+    where = f"{module_name}.{qualname}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise SpaceRefused(
+            f"a sandbox sent a space of type {where}, whose module this controller has not "
+            "imported (an untrusted sandbox's spaces are rebuilt only from classes already "
+            "loaded here). Import it before building the vector env, register the type "
+            "with gym_fork.transport.space_codec.register_space, or pass trusted=True."
+        )
+    found: Any = module
+    for part in qualname.split("."):
+        namespace = getattr(found, "__dict__", None)
+        found = namespace.get(part) if isinstance(namespace, Mapping) else None
+    if not (isinstance(found, type) and issubclass(found, Space)):
+        raise SpaceRefused(f"{where} is not a space class loaded in this controller")
+    space = object.__new__(found)
+    state = data["state"]
+    if not isinstance(state, dict) or not all(type(k) is str for k in state):
+        raise SpaceRefused(f"the attributes of a {where} space are not a mapping of names")
+    space.__dict__.update({k: _attribute_from_data(v, trusted) for k, v in state.items()})
+    return space
+
+
+def _attribute_from_data(item: Any, trusted: bool) -> Any:
+    tag, value = item
+    if tag == "plain":
+        return value
+    if tag == "dtype":
+        dtype = np.dtype(str(value))
+        if dtype.hasobject:
+            raise SpaceRefused("an object dtype")
+        return dtype
+    if tag == "generator":
+        return generator_from_data(value)
+    if tag == "space":
+        return space_from_data(value, trusted=trusted)
+    raise SpaceRefused(f"unknown attribute tag {tag!r:.50}")
+
+
+# -- numpy Generators and EnvSpecs ---------------------------------------------------
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def generator_to_data(rng: np.random.Generator) -> dict[str, Any] | None:
+    """A numpy Generator as its bit generator's name and state (its big ints as text),
+    or None for a bit generator numpy does not ship."""
+    name = type(rng.bit_generator).__name__
+    if name not in _BIT_GENERATORS or type(rng.bit_generator) is not getattr(np.random, name):
+        return None
+    return {"bit_generator": name, "state": _ints_to_text(rng.bit_generator.state)}
+
+
+def generator_from_data(data: Any) -> np.random.Generator:
+    """The Generator back: same bit generator, same state (numpy checks the state)."""
+    name = data.get("bit_generator") if isinstance(data, dict) else None
+    if name not in _BIT_GENERATORS:
+        raise SpaceRefused(f"not a numpy bit generator: {name!r:.50}")
+    bit_generator = getattr(np.random, name)()
+    try:
+        bit_generator.state = _ints_from_text(data["state"])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SpaceRefused(f"a {name} state that does not load: {exc}") from exc
+    return np.random.Generator(bit_generator)
+
+
+def _ints_to_text(value: Any) -> Any:
+    if type(value) is int:
+        return {"int": str(value)}
+    if isinstance(value, dict):
+        return {str(k): _ints_to_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_ints_to_text(v) for v in value]
+    return value
+
+
+def _ints_from_text(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"int"} and isinstance(value["int"], str) and len(value["int"]) < 100:
+            return int(value["int"])
+        return {k: _ints_from_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints_from_text(v) for v in value]
+    return value
+
+
+def value_to_data(value: Any) -> dict[str, Any] | None:
+    """Plain data for a value msgpack does not carry that a Gymnasium user reads with
+    ``get_attr`` (a space, an EnvSpec, a numpy Generator), or None (pickle it)."""
+    if isinstance(value, Space):
+        data = space_to_data(value)
+        return None if data["kind"] == PICKLED else {"kind": "space", "space": data}
+    if type(value) is EnvSpec:
+        try:
+            return {"kind": "env_spec", "json": value.to_json()}
+        except Exception:  # a callable entry point, kwargs that are not JSON
+            return None
+    if type(value) is np.random.Generator:
+        rng = generator_to_data(value)
+        return None if rng is None else {"kind": "generator", **rng}
+    return None
+
+
+def value_from_data(data: Any, *, trusted: bool) -> Any:
+    """The value :func:`value_to_data` describes, rebuilt without unpickling (a space
+    that carries its pickle too is loaded from it only when ``trusted``)."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    try:
+        if kind == "space":
+            return space_from_data(data["space"], trusted=trusted)
+        if kind == "env_spec":
+            return EnvSpec.from_json(str(data["json"]))
+        if kind == "generator":
+            return generator_from_data(data)
+    except SpaceRefused:
+        raise
+    except Exception as exc:
+        raise SpaceRefused(f"a {kind} value that does not decode: {exc}") from exc
+    raise SpaceRefused(f"not an encoded value: {data!r:.100}")

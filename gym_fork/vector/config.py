@@ -31,6 +31,16 @@ def max_sandboxes() -> int:
     return int(value) if value else DEFAULT_MAX_SANDBOXES
 
 
+def trusted_from_environment() -> bool:
+    """``trusted``'s default: False unless GYM_FORK_TRUSTED says 1/true/yes/on."""
+    value = os.environ.get("GYM_FORK_TRUSTED", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"GYM_FORK_TRUSTED must be 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
 def available_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) or 1
@@ -75,7 +85,7 @@ class VectorConfig:
     host: str = "process"
     vm_memory_mb: int = 256
     vm_slab_mb: int = 16
-    trusted: bool = True
+    trusted: bool = False
     prepare: PrepareRecipe | None = None
     origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from
     split_when_slow: bool = False  # "auto" grouped sub-envs a core each would have had
@@ -154,9 +164,9 @@ class VectorConfig:
         ):
             raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
         if trusted is None:
-            # A VM is the boundary for code one does not trust: its data is not unpickled.
-            trusted = os.environ.get("GYM_FORK_TRUSTED", "1" if host != "microvm" else "0")
-            trusted = trusted not in ("0", "false", "no")
+            # Nothing a sandbox sends is unpickled unless the user says so (on every host):
+            # unpickling runs code, e.g. an exception raised in a sub-env's step.
+            trusted = trusted_from_environment()
         return cls(
             env_fns=tuple(env_fns),
             num_envs=num_envs,

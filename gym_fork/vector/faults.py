@@ -77,7 +77,9 @@ def worker_exception(
         if trusted:
             exc = RuntimeError(f"{type_name}: {message}")
         else:
-            exc = like_builtin(SubEnvError, type_name)(
+            bases = record.get("bases")
+            bases = tuple(_text(b, 200) for b in bases[:32]) if isinstance(bases, list) else ()
+            exc = like_builtin(SubEnvError, type_name, bases)(
                 f"{type_name}: {message}", index=index, type_name=type_name, traceback=trace
             )
     what = "while building" if building else "in"

@@ -97,11 +97,19 @@ class ForkVectorEnv(VectorEnv):
             guest kernel and a guest image: docs/microvm.md) or ``"inline"`` (the worker
             loop in a thread of this process: no isolation, for debugging with
             breakpoints inside ``env.step`` and for unit tests; cannot ``fork``).
-        trusted: whether the controller may unpickle what sandboxes send (a worker's
-            exception object). Default: True for ``process`` and ``inline`` (as
-            AsyncVectorEnv), False for ``microvm`` (or ``$GYM_FORK_TRUSTED``). Untrusted,
-            a sub-env's exception arrives as :class:`gym_fork.vector.faults.SubEnvError`
-            carrying its type name, message and traceback text.
+        trusted: whether the controller may unpickle what sandboxes send (unpickling
+            runs code: an exception raised in a sub-env's ``step`` could run anything in
+            this process). Default False on every host (``$GYM_FORK_TRUSTED=1`` makes it
+            True). Untrusted, a sub-env's exception arrives as
+            :class:`gym_fork.errors.SubEnvError` carrying its type name, message and
+            traceback text, and is also an instance of the nearest builtin (or
+            gym_fork / ``gymnasium.error``) class it derives from, so ``except
+            ValueError`` still works; spaces (custom ones by reference to a class this
+            process has imported) and metadata arrive as plain data; a call result or
+            info that only travels pickled (a custom object, a bound method, a set)
+            raises :class:`gym_fork.errors.PickleRefused`, which names ``trusted=True``.
+            True: as AsyncVectorEnv, the original exception objects and any picklable
+            value.
         vm_memory_mb: guest RAM of each microVM (default 256).
         vm_slab_mb: size of the batch slab each microVM maps (default 16; a power of two
             MiB). A vector env whose slab (observations, actions, rewards of all

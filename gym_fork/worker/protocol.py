@@ -42,6 +42,7 @@ RESERVED_CALLS = ("reset", "step", "close", "_setattr", "_check_spaces")
 
 # Bounds on the text of an error record (a sandbox's exception text is not trusted).
 MAX_ERROR_TEXT = 64 * 1024
+MAX_BASES = 32
 
 
 def error_record(index: int, exc: BaseException) -> dict[str, Any]:
@@ -55,6 +56,9 @@ def error_record(index: int, exc: BaseException) -> dict[str, Any]:
     return {
         "index": index,
         "type": type(exc).__qualname__,
+        # Its bases' names, nearest first: a controller that does not unpickle rebuilds
+        # the nearest one it knows (``except ValueError`` still works).
+        "bases": [t.__qualname__ for t in type(exc).__mro__[1:-1]][:MAX_BASES],
         "message": str(exc)[:MAX_ERROR_TEXT],
         "traceback": traceback.format_exc()[-MAX_ERROR_TEXT:],
         "pickled": pickled,

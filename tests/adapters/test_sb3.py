@@ -146,7 +146,8 @@ def test_wrapping_an_existing_vector_env_in_other_autoreset_modes(mode, closing)
 
 
 def test_sub_env_access(closing):
-    fork = closing(ForkVecEnv([counting_env] * N))
+    # trusted=True: get_attr("add") returns a bound method, which only travels pickled.
+    fork = closing(ForkVecEnv([counting_env] * N, trusted=True))
     dummy = closing(DummyVecEnv([counting_env] * N))
     for env in (fork, dummy):
         env.seed(3)

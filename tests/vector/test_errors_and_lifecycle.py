@@ -146,7 +146,8 @@ class OddInfoEnv(SpaceEnv):
 
 
 def test_infos_msgpack_cannot_carry_fall_back_to_pickle_or_fail_clearly():
-    envs = ForkVectorEnv([lambda: OddInfoEnv(lambda: {1 + 2j, "x"})])
+    # A set only travels pickled: trusted=True (untrusted, tests/vector/test_untrusted.py).
+    envs = ForkVectorEnv([lambda: OddInfoEnv(lambda: {1 + 2j, "x"})], trusted=True)
     try:
         envs.reset(seed=0)
         *_, info = envs.step(np.array([0]))
