@@ -30,12 +30,16 @@ import numpy as np
 from gymnasium.spaces import GraphInstance
 
 from gym_fork.errors import EncodeError, TransportError
+from gym_fork.transport.space_codec import SpaceRefused, value_from_data, value_to_data
 
 EXT_NDARRAY = 1
 EXT_TUPLE = 2
 EXT_NPSCALAR = 3
 EXT_PICKLE = 4
 EXT_GRAPH = 5
+# A value space_codec carries as plain data (a Space, an EnvSpec, a numpy Generator):
+# what get_attr reads most, readable where pickles are not loaded.
+EXT_PLAIN = 6
 
 _META = struct.Struct("<I")
 
@@ -97,6 +101,9 @@ def _default(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, np.generic) and obj.dtype.hasobject is False:
         return msgpack.ExtType(EXT_NPSCALAR, obj.dtype.str.encode() + b"\0" + obj.tobytes())
     try:
+        plain = value_to_data(obj)
+        if plain is not None:
+            return msgpack.ExtType(EXT_PLAIN, pack(plain))
         return msgpack.ExtType(EXT_PICKLE, cloudpickle.dumps(obj))
     except Exception as exc:
         raise EncodeError(
@@ -112,6 +119,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return GraphInstance(*unpack(data, allow_pickle=False))
     if code == EXT_PICKLE:
         return cloudpickle.loads(data)
+    if code == EXT_PLAIN:
+        return value_from_data(unpack(data), trusted=True)
     return _plain_ext(code, data)
 
 
@@ -150,6 +159,12 @@ def _no_pickle_hook(refused: list[int]):
             return RefusedPickle(len(data))
         if code == EXT_TUPLE:
             return tuple(unpack(data, allow_pickle=False, refused=refused))
+        if code == EXT_PLAIN:
+            try:
+                return value_from_data(unpack(data, allow_pickle=False), trusted=False)
+            except SpaceRefused:  # e.g. a space holding a pickled one: refused as a pickle
+                refused.append(len(data))
+                return RefusedPickle(len(data))
         return _ext_hook(code, data)
 
     return hook
@@ -198,7 +213,7 @@ for _b, _size in {0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}.items():
 _LENGTH_WIDTH = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
 _EXT_VARIABLE = (0xC7, 0xC8, 0xC9)
 _FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
-_NESTED_EXT = (EXT_TUPLE, EXT_GRAPH)  # ext values whose payload is a msgpack record
+_NESTED_EXT = (EXT_TUPLE, EXT_GRAPH, EXT_PLAIN)  # ext values whose payload is a msgpack record
 _UINT = {1: struct.Struct(">B").unpack_from, 2: struct.Struct(">H").unpack_from}
 _UINT[4] = struct.Struct(">I").unpack_from
 # msgpack's own stack holds 1024 levels; deeper records never decode.

@@ -251,13 +251,6 @@ def test_space_codec_by_reference_generators_and_specs_without_pickles():
     assert value_to_data(object()) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=PickleRefused,
-    reason="transport/codec.py does not yet carry space_codec.value_to_data values "
-    "(EXT_PLAIN): get_attr('spec'), np_random and spaces travel pickled; remove this mark "
-    "once it does",
-)
 def test_what_get_attr_users_read_most_travels_as_plain_data_under_the_default():
     envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")] * 2, lineage_log=False)
     try:
