@@ -14,6 +14,7 @@ from gym_fork.errors import (
     SandboxStartError,
     SubEnvCrashed,
     SubEnvError,
+    SubEnvStopped,
     SubEnvTimeout,
     TransportError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "SandboxStartError",
     "SubEnvCrashed",
     "SubEnvError",
+    "SubEnvStopped",
     "SubEnvTimeout",
     "TransportError",
     "__version__",

@@ -93,6 +93,32 @@ class SubEnvTimeout(SubEnvCrashed, multiprocessing.TimeoutError, TimeoutError):
     code = "subenv_timeout"
 
 
+class SubEnvStopped(SubEnvCrashed):
+    """A sub-env's sandbox was stopped (SIGSTOP, or held in a tracing stop) again and
+    again while the controller waited for it, and was killed; ``reset()`` replaces it.
+
+    The kernel does not say who sent the stop: ``suspects`` are the host pids of the
+    other sandboxes of its tree (one warm parent, one pid namespace, one uid: each can
+    signal the others); ``stops`` is how many times it was found stopped in that wait.
+    """
+
+    code = "subenv_stopped"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        indices: list[int],
+        pid: int | None,
+        exitcode=None,
+        suspects: list[int] | None = None,
+        stops: int = 0,
+    ) -> None:
+        super().__init__(message, indices=indices, pid=pid, exitcode=exitcode)
+        self.suspects = list(suspects or [])
+        self.stops = stops
+
+
 class SubEnvError(GymForkError):
     """A sub-env raised inside a sandbox whose data the controller does not unpickle:
     the original exception's type name, message and traceback travel as text."""

@@ -15,6 +15,7 @@ of the warm parent between a vector env and its branches.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -110,6 +111,25 @@ class WorkerHandle:
             self.dead = True
         return not self.dead
 
+    def stopped(self) -> str:
+        """``"T"`` while the sandbox is stopped by a signal (SIGSTOP, SIGTSTP, ...), ``"t"``
+        while it is held in a tracing stop, ``""`` otherwise (running, sleeping, dead).
+
+        Read from ``/proc/<pid>/stat`` with the handle's pid (in the controller's pid
+        namespace), and believed only if the pidfd still says the process has not exited
+        afterwards: an exited process keeps its pid until it is reaped, so the state
+        read was its own, never that of another process given the pid since."""
+        if self.dead:
+            return ""
+        state = process_state(self.pid)
+        if state not in ("T", "t") or not self.alive():
+            return ""
+        return state
+
+    def resume(self) -> None:
+        """SIGCONT the sandbox (through its pidfd)."""
+        self.watch.kill(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the sandbox; :meth:`alive` is False from now on."""
         self.watch.kill()
@@ -131,6 +151,19 @@ class WorkerHandle:
             self.output.forget(str(self.pid))
         self.watch.close()
         self.channel.close()
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T``,
+    ``t``, ``Z``, ...), ``""`` when it cannot be read (gone, no such /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    # The name in parentheses may hold anything, ")" too: the state follows the last one.
+    rest = stat[stat.rfind(b")") + 1 :].split(None, 1)
+    return rest[0].decode("ascii", "replace") if rest else ""
 
 
 @dataclass

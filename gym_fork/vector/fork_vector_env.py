@@ -636,7 +636,7 @@ class ForkVectorEnv(VectorEnv):
             if own_deadline:
                 raise pool.kill_unanswered(op, what, self.timeout) from None
             raise multiprocessing.TimeoutError(
-                f"The call to `{what}` has timed out after {timeout} second(s)."
+                f"The call to `{what}` has timed out after {timeout} second(s)." + pool.tree_note()
             ) from None
         finally:
             self._state = AsyncState.DEFAULT

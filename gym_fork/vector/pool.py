@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gymnasium import logger
+
 from gym_fork.errors import (
     PeerGone,
     PickleRefused,
@@ -27,7 +29,19 @@ from gym_fork.hosts.base import Host, WorkerHandle
 from gym_fork.transport.codec import pack, pack_bare_request
 from gym_fork.worker import protocol as P
 
-from .faults import Deadline, WaitTimeout, corrupted, crashed, errors_exception, timed_out
+from .faults import (
+    MAX_STOPS,
+    Deadline,
+    Stall,
+    WaitTimeout,
+    corrupted,
+    crashed,
+    errors_exception,
+    stopped_error,
+    stopped_note,
+    timed_out,
+    tree_note,
+)
 
 
 class WorkerPool:
@@ -124,8 +138,11 @@ class WorkerPool:
         """The reply ``worker`` owes for ``op``; earlier, abandoned replies are dropped.
 
         Raises WaitTimeout at the deadline, SubEnvCrashed when the worker dies, and
-        TransportError (after killing it) when it sends what is not a valid reply."""
+        TransportError (after killing it) when it sends what is not a valid reply.
+        A wait past its first slice also watches for the worker being stopped
+        (:meth:`_check_stopped`)."""
         inbox = worker.channel
+        stall = None  # a reply that comes within the first slice never makes one
         while True:
             try:
                 reply = inbox.recv(deadline.slice(), alive=worker.alive)
@@ -136,6 +153,10 @@ class WorkerPool:
                     raise self.crashed(worker, f"during {P.NAMES[op]}") from None
                 if deadline.expired():
                     raise WaitTimeout from None
+                if stall is None:
+                    stall = Stall()
+                elif stall.due():
+                    self._check_stopped(worker, stall, op)
                 continue
             except TransportError as exc:
                 worker.kill()
@@ -218,6 +239,44 @@ class WorkerPool:
         error.indices = worker.indices
         return error
 
+    def _check_stopped(self, worker: WorkerHandle, stall: Stall, op: int) -> None:
+        """A stopped sandbox passes the pidfd liveness check and would be waited for
+        forever: stopped for STOPPED_FOR s, it gets SIGCONT and a warning naming it and
+        the suspects (every other sandbox of its tree); the MAX_STOPS-th time in one
+        wait it is killed and SubEnvStopped raised (``reset()`` replaces it)."""
+        state = worker.stopped()
+        if not stall.seen(state):
+            return
+        when = f"while the controller waited for its {P.NAMES[op]} reply"
+        suspects = []
+        if getattr(self.host, "tree", None) is not None:  # sandboxes that share a kernel
+            suspects = [(w, mine) for w, mine in self._tree() if w is not worker]
+        if stall.stops >= MAX_STOPS:
+            worker.kill()
+            worker.watch.wait_dead(1.0)
+            raise stopped_error(worker, state, stall.stops, suspects, when, self.label)
+        worker.resume()
+        logger.warn(stopped_note(worker, state, stall.stops, suspects, when, self.label))
+
+    def _tree(self) -> list[tuple[WorkerHandle, bool]]:
+        """The live sandboxes of this pool's tree, each with whether it is one of this
+        pool's: every sandbox of the warm parent where the host knows them (the process
+        host's ``tree()``: its sandboxes can signal one another), else this pool's own."""
+        tree = getattr(self.host, "tree", None)
+        mine = [w for w in self.workers if w.alive()]
+        if tree is None:
+            return [(w, True) for w in mine]
+        ours = {id(w) for w in self.workers}
+        others = [w for w in tree() if id(w) not in ours]
+        return [(w, True) for w in mine] + [(w, False) for w in others]
+
+    def tree_note(self) -> str:
+        """For a timeout's error: every sandbox of the tree of those that did not answer
+        and whether it is stopped (read before any is killed)."""
+        if not any(w.awaiting for w in self.workers):
+            return ""
+        return tree_note([(w, mine, w.stopped()) for w, mine in self._tree()])
+
     def crashed(self, worker: WorkerHandle, when: str) -> SubEnvCrashed:
         """The error for a worker found dead (its exit status from the host)."""
         worker.dead = True
@@ -234,13 +293,14 @@ class WorkerPool:
                 self.receive(worker, Deadline(0), op)  # answered just now?
             except (WaitTimeout, SubEnvCrashed, TransportError):
                 hung.append(worker)
+        tree = self.tree_note()  # who is stopped, before the kills
         for worker in hung:
             worker.kill()
         details = []
         for worker in hung:
             worker.watch.wait_dead(1.0)
             details.append(self.crashed(worker, f"during {what}").args[0])
-        return timed_out(what, timeout, details, hung)
+        return timed_out(what, timeout, details, hung, tree)
 
     def dead_positions(self) -> list[int]:
         """Positions (in ``workers``) of the sandboxes known or found dead."""

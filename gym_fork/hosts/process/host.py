@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import socket
 import subprocess
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+from gymnasium import logger
 
 import gym_fork
 from gym_fork.errors import SandboxStartError
@@ -258,6 +261,12 @@ class ProcessHost(SharedByBranches):
         self.sock: socket.socket | None = None
         self.watch: ProcessWatch | None = None
         self.process: Any = None  # subprocess.Popen or zygote.ForkedParent
+        # Every sandbox made from this warm parent that the controller still holds (of
+        # the vector env and of its branches), weakly: see tree().
+        self._handles: weakref.WeakValueDictionary[int, WorkerHandle] = (
+            weakref.WeakValueDictionary()
+        )
+        self._handle_ids = itertools.count()
         try:
             message = init_message(config)
             while True:
@@ -318,9 +327,25 @@ class ProcessHost(SharedByBranches):
         ``attach`` (the pickled attach argument) makes the workers attach to the slab
         at once, for replacements whose spaces the controller already knows.
         """
-        return _in_batches(
-            specs, slab_fds, lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach)
+        return self._register(
+            _in_batches(
+                specs,
+                slab_fds,
+                lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach),
+            )
         )
+
+    def _register(self, handles: list[WorkerHandle]) -> list[WorkerHandle]:
+        for handle in handles:
+            self._handles[next(self._handle_ids)] = handle
+        return handles
+
+    def tree(self) -> list[WorkerHandle]:
+        """The live sandboxes of this warm parent's tree that the controller holds (those
+        of every vector env sharing it: a root and its branches). They share one pid
+        namespace and run as one uid, so any of them can signal any other: when one is
+        found stopped, these are the suspects (the kernel does not say who sent it)."""
+        return [handle for handle in list(self._handles.values()) if handle.alive()]
 
     def _spawn_batch(
         self,
@@ -361,6 +386,7 @@ class ProcessHost(SharedByBranches):
             for end in ends:
                 end.abort()
             raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
+        self._note_discarded_idle(reply.get("idle_discarded"))
         return [
             end.handle(pid, watch)
             for end, pid, watch in zip(ends, reply["pids"], watches, strict=True)
@@ -377,10 +403,14 @@ class ProcessHost(SharedByBranches):
     ) -> list[WorkerHandle]:
         """Ask the worker ``source`` to fork its sub-envs (SPAWN_BATCH per request): the
         clones' channels, sockets and output pipes travel on its side socket."""
-        return _in_batches(
-            orders,
-            slab_fds,
-            lambda batch, fds: self._fork_batch(source, batch, num_envs, fds, ring_capacity, ask),
+        return self._register(
+            _in_batches(
+                orders,
+                slab_fds,
+                lambda batch, fds: self._fork_batch(
+                    source, batch, num_envs, fds, ring_capacity, ask
+                ),
+            )
         )
 
     def _fork_batch(self, source, orders, num_envs, slab_fds, ring_capacity, ask):
@@ -407,6 +437,22 @@ class ProcessHost(SharedByBranches):
 
         pids, watches = hand_over(ends, exchange)
         return [end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)]
+
+    def _note_discarded_idle(self, discarded: Any) -> None:
+        """The warm parent found idle sandboxes stopped when it was to hand them a spec:
+        it killed them and forked fresh ones (gym_fork/hosts/process/idle.py). Only a
+        process of the tree can have stopped them: say so, naming its sandboxes."""
+        if not isinstance(discarded, list) or not discarded:
+            return
+        suspects = ", ".join(f"{h.name} (pid {h.pid})" for h in self.tree()) or "none"
+        logger.warn(
+            f"the warm parent (pid {self.pid}) found {len(discarded)} of its idle "
+            "sandbox(es) stopped when it was to hand them a spec: it killed them and "
+            "forked fresh sandboxes instead. They were stopped by a signal from inside "
+            "their tree (one pid namespace, one uid) and the kernel does not say who sent "
+            "it: the suspects are the tree's sandboxes, those just replaced (if any) and "
+            f"those running now: {suspects}."
+        )
 
     def alive(self) -> bool:
         """Health check of the warm parent (its sandboxes die with it)."""

@@ -57,6 +57,7 @@ class IdlePool:
         self.become = become
         self.waiting: list[Idle] = []
         self.requests = 0
+        self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
 
     def pids(self) -> set[int]:
         return {idle.pid for idle in self.waiting}
@@ -92,23 +93,75 @@ class IdlePool:
 
     def assign(self, spec: dict, attach: bytes | None, fds: list[int]) -> int:
         """Hand ``spec`` and ``fds`` to an idle sandbox; its pid, or 0 when none is left
-        alive. The caller closes its copies of ``fds``."""
+        usable. The caller closes its copies of ``fds``.
+
+        An idle sandbox that is stopped (another sandbox of the tree can SIGSTOP it: one
+        pid namespace, one uid) or dead is never handed a spec: it is killed (it is our
+        child, not reaped yet, so its pid is still its own) and listed in
+        ``discarded``; the next one, or a fresh fork, is used instead."""
         while self.waiting:
             idle = self.waiting.pop(0)
             try:
+                state = _state(idle.pid)
+                if state in _UNUSABLE:
+                    if state in ("T", "t"):
+                        self.discarded.append([idle.pid, state])
+                    _kill(idle.pid)
+                    continue
                 send_message(idle.sock, {"spec": spec, "attach": attach}, fds=tuple(fds))
                 return idle.pid
             except OSError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(idle.pid, signal.SIGKILL)  # not reaped yet: still ours
+                _kill(idle.pid)
             finally:
                 idle.sock.close()
         return 0
+
+    def take_discarded(self) -> list[list]:
+        """[pid, state] of the stopped idle sandboxes killed since the last call."""
+        discarded, self.discarded = self.discarded, []
+        return discarded
 
     def close(self) -> None:
         for idle in self.waiting:
             idle.sock.close()
         self.waiting.clear()
+
+
+# States of an idle sandbox that must not be handed a spec: stopped (by a signal, or in
+# a tracing stop), a zombie, dead.
+_UNUSABLE = ("T", "t", "Z", "X", "x")
+
+
+# SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU: a stop signal sent but not yet acted on (the
+# target has not run since) is pending; it would stop the sandbox right after its spec.
+_STOP_SIGNALS = sum(1 << (sig - 1) for sig in (19, 20, 21, 22))
+
+
+def _state(pid: int) -> str:
+    """The state letter of our child ``pid`` (``/proc/<pid>/status``), ``"T"`` also
+    while a stop signal is pending for it, ``""`` when unreadable (then it is used: a
+    dead one has been reaped, and a send to it fails)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return ""
+    state, pending = "", 0
+    for line in status.splitlines():
+        key, _, value = line.partition(b":")
+        if key == b"State":
+            state = value.strip()[:1].decode("ascii", "replace")
+        elif key in (b"SigPnd", b"ShdPnd"):
+            with contextlib.suppress(ValueError):
+                pending |= int(value.strip(), 16)
+    if state and state not in _UNUSABLE and pending & _STOP_SIGNALS:
+        return "T"
+    return state
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # not reaped yet: still ours
 
 
 def await_assignment(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:

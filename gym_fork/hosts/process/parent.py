@@ -289,7 +289,11 @@ class WarmParent:
                 except Exception as exc:
                     send_message(self.sock, {"op": "error", "error": repr(exc)})
                 else:
-                    send_with_pidfds(self.sock, {"op": "spawned", "pids": pids}, pids)
+                    reply = {"op": "spawned", "pids": pids}
+                    discarded = self.idle.take_discarded()  # stopped: the controller warns
+                    if discarded:
+                        reply["idle_discarded"] = discarded
+                    send_with_pidfds(self.sock, reply, pids)
                     self.idle.note_request()
                     refill_due = True
             elif op == "status":
