@@ -82,6 +82,7 @@ DEFAULT_TMPFS_BYTES = 1 << 30
 # The tree's /tmp, seen read-only by its sandboxes at this path of the tree's own /dev:
 # the lower layer a clone builds its own /tmp on (the sandbox's /tmp hides it).
 TREE_TMP_VIEW = "/dev/.gym_fork-tree-tmp"
+WRITABLE_VIEW = "/dev/.gym_fork-writable-"  # + the index in writable_paths
 # Where the kernel takes settings or commands: read-only in every sandbox, as container
 # runtimes make them (runc's readonlyPaths).
 READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
@@ -216,6 +217,8 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
         achieved.tree["minimal_dev"] = True
     except OSError as exc:
         achieved.missing["minimal_dev"] = f"the tree's own /dev: {exc}"
+    if achieved.tree.get("minimal_dev"):
+        _writable_views(config, achieved)
     if not config.private_tmp:
         achieved.missing["private_tmp"] = (
             "private_tmp=False (the caller's choice): /tmp and /dev/shm are the host's"
@@ -237,6 +240,19 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
             ns.mount("/tmp", TREE_TMP_VIEW, None, ns.MS_BIND)
             achieved.tree["tmp_view"] = True
     return achieved
+
+
+def _writable_views(config: IsolationConfig, achieved: Isolation) -> None:
+    """Bind each of ``writable_paths`` at a path of the tree's /dev, before the tree's
+    /tmp overlay hides the host's /tmp: where sandboxes take their writable copies."""
+    for i, path in enumerate(config.writable_paths):
+        try:
+            os.mkdir(f"{WRITABLE_VIEW}{i}", 0o700)
+            ns.mount(path, f"{WRITABLE_VIEW}{i}", None, ns.MS_BIND | ns.MS_REC)
+        except OSError as exc:
+            achieved.missing["writable_paths"] = f"{path}: {exc}"
+            return
+        achieved.tree["writable_views"] = i + 1
 
 
 def _minimal_dev(config: IsolationConfig) -> None:
@@ -382,31 +398,46 @@ def _enter_sandbox_namespaces(
         achieved.sandbox["oom_score_adj"] = SANDBOX_OOM_SCORE_ADJ
     achieved.limits = apply_limits(config.limits, achieved.missing)
     _join_cgroups(config, achieved, owner)  # cgroupfs is read-only from here on
+    kept: list[tuple[str, int]] = []
     try:
-        _read_only_view(config.shared_writable())
+        kept = _read_only_view(_writable_sources(config, tree))
     except OSError as exc:
         achieved.missing["read_only_host"] = f"read-only view of the host: {exc}"
-    if not tree.tree.get("private_tmp"):
-        return
+    if tree.tree.get("private_tmp"):
+        try:
+            size = config.layer_bytes()
+            # Kept open: clones of this sandbox start their /tmp from its writes.
+            _remember_private_writes(ns.overlay_private_layer("/tmp", size))
+            mount_fd = ns.new_tmpfs(size)
+            _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
+            ns.attach_mount(mount_fd, "/dev/shm")
+            achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
+        except OSError as exc:
+            achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
     try:
-        size = config.layer_bytes()
-        # Kept open: clones of this sandbox start their /tmp from its writes.
-        _remember_private_writes(ns.overlay_private_layer("/tmp", size))
-        mount_fd = ns.new_tmpfs(size)
-        _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
-        ns.attach_mount(mount_fd, "/dev/shm")
-        achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
+        _attach_writable(kept)
     except OSError as exc:
-        achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
+        achieved.missing["writable_paths"] = f"a writable directory could not be bound: {exc}"
 
 
-def _read_only_view(writable: tuple[str, ...]) -> None:
-    """Make every mount of this (new) mount namespace read-only but ``writable``
-    (nosuid) and /proc (except the kernel's settings in :data:`READ_ONLY_PROC`)."""
-    kept = []
+def _writable_sources(config: IsolationConfig, tree: Isolation) -> list[tuple[str, str]]:
+    """(where it goes, where to copy it from) for each writable host directory: the
+    tree's views of ``writable_paths`` (its /tmp overlay and /dev hide the host's)."""
+    shared = [] if config.private_tmp else [("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")]
+    views = tree.tree.get("writable_views", 0)
+    for i, path in enumerate(config.writable_paths):
+        shared.append((path, f"{WRITABLE_VIEW}{i}" if i < views else path))
+    return shared
+
+
+def _read_only_view(sources: list[tuple[str, str]]) -> list[tuple[str, int]]:
+    """Make every mount of this (new) mount namespace read-only but /proc (except the
+    kernel's settings in :data:`READ_ONLY_PROC`); returns detached writable copies of
+    ``sources`` for :func:`_attach_writable` (taken before, so still writable)."""
+    kept: list[tuple[str, int]] = []
     try:
-        for path in writable:
-            kept.append((path, ns.clone_mount(path, recursive=True)))
+        for target, source in sources:
+            kept.append((target, ns.clone_mount(source, recursive=True)))
         ns.set_mount_attributes("/", recursive=True, set_=ns.MOUNT_ATTR_RDONLY)
         # A process writes some of its own /proc files (oom_score_adj, a user
         # namespace's uid_map): /proc itself stays writable, the kernel's knobs do not.
@@ -414,8 +445,18 @@ def _read_only_view(writable: tuple[str, ...]) -> None:
         for path in READ_ONLY_PROC:
             if os.path.exists(path):
                 ns.bind_read_only(path)
+    except BaseException:
+        _close_all(kept)
+        raise
+    return kept
+
+
+def _attach_writable(kept: list[tuple[str, int]]) -> None:
+    """Put the writable copies in place (nosuid, nodev): last, over the sandbox's own
+    /tmp too, so a writable directory under /tmp is the host's."""
+    try:
         while kept:
-            path, fd = kept.pop()
+            target, fd = kept.pop(0)
             try:
                 ns.set_mount_attributes(
                     fd,
@@ -426,10 +467,15 @@ def _read_only_view(writable: tuple[str, ...]) -> None:
             except BaseException:
                 os.close(fd)
                 raise
-            ns.attach_mount(fd, path)
+            ns.attach_mount(fd, target)
     finally:
-        for _, fd in kept:
-            os.close(fd)
+        _close_all(kept)
+
+
+def _close_all(kept: list[tuple[str, int]]) -> None:
+    for _, fd in kept:
+        os.close(fd)
+    kept.clear()
 
 
 def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: Isolation) -> None:
@@ -448,7 +494,10 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
     try:
         ns.unshare(flags)
     except OSError as exc:
-        reason = "nested 32 deep already" if exc.errno == errno.EUSERS else exc.strerror
+        if exc.errno in (errno.EUSERS, errno.ENOSPC):
+            reason = "user namespaces nest at most 32 deep, or user.max_user_namespaces is reached"
+        else:
+            reason = exc.strerror
         achieved.missing["sandbox_mount"] = achieved.missing["ipc"] = (
             f"{why}: no user namespace of its own ({reason})"
         )
@@ -563,7 +612,14 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
         with contextlib.suppress(OSError):
             confine.forbid_tracing()
     # Clones make their own user namespace, which needs CAP_SETFCAP (confine.py).
-    keep = confine.KEPT_FOR_CLONES if _clones_get_namespaces(config, achieved) else ()
+    # A clone without a user namespace of its own cannot drop it from its bounding set
+    # (that needs CAP_SETPCAP): it keeps what it inherited.
+    inherited_only = confine.inherited() and not achieved.sandbox.get("user")
+    keep = (
+        confine.KEPT_FOR_CLONES
+        if inherited_only or _clones_get_namespaces(config, achieved)
+        else ()
+    )
     try:
         confine.drop_capabilities(keep)
         achieved.sandbox["capabilities"] = "dropped, but CAP_SETFCAP" if keep else "dropped"

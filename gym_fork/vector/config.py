@@ -110,6 +110,8 @@ class VectorConfig:
         private_tmp: bool,
         limits: SandboxLimits | None,
         prepare: PrepareRecipe | None,
+        writable_paths: Sequence[str | os.PathLike] = (),
+        tmpfs_bytes: int | None = None,
         **plain: Any,
     ) -> VectorConfig:
         """Check every constructor argument; raise ValueError/TypeError naming the bad one."""
@@ -186,6 +188,8 @@ class VectorConfig:
                 network=network,
                 private_tmp=private_tmp,
                 limits=limits or SandboxLimits(),
+                writable_paths=checked_writable_paths(writable_paths),
+                tmpfs_bytes=checked_tmpfs_bytes(tmpfs_bytes),
             ),
             prepare=prepare,
             origins=tuple(range(num_envs)) if prepare is None else (0,) * num_envs,
@@ -237,3 +241,30 @@ def check_sandbox_count(count: int, what: str) -> None:
             f"{what} asks for {count} sandboxes; the ceiling is {ceiling} per controller "
             "(set GYM_FORK_MAX_SANDBOXES to raise it)"
         )
+
+
+def checked_writable_paths(paths: Sequence[str | os.PathLike]) -> tuple[str, ...]:
+    """``writable_paths`` as absolute, existing directories (resolved once, here, by the
+    controller: a sandbox never chooses where a writable bind goes)."""
+    if isinstance(paths, str | bytes | os.PathLike):
+        raise TypeError(f"`writable_paths` must be a list of directories, got {paths!r}")
+    checked = []
+    for path in paths:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"`writable_paths` entries must be paths, got {path!r}")
+        real = os.path.realpath(os.fspath(path))
+        if not os.path.isdir(real):
+            raise ValueError(f"`writable_paths`: {os.fspath(path)!r} is not an existing directory")
+        if real == "/":
+            raise ValueError("`writable_paths` cannot hold '/': use namespaces=False instead")
+        checked.append(real)
+    return tuple(checked)
+
+
+def checked_tmpfs_bytes(size: int | None) -> int | None:
+    """``tmpfs_bytes``: None (the default size) or a positive int."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 << 20:
+        raise ValueError(f"`tmpfs_bytes` must be an int of at least 1 MiB, got {size!r}")
+    return size

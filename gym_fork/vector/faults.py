@@ -6,6 +6,7 @@ code, its last stderr lines) and raise what these functions build.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from typing import Any
@@ -230,8 +231,36 @@ def worker_exception(
             )
     what = "while building" if building else "in"
     exc.add_note(f"[gym_fork] raised {what} sub-env {index}; the worker's traceback:\n{trace}")
+    hint = sandbox_default_hint(exc, message)
+    if hint:
+        exc.add_note(hint)
     exc.gym_fork_index = index
     return exc
+
+
+# errno values (as the message of an OSError shows them) that a default of the sandbox
+# causes, and the option that lifts it.
+_DEFAULT_HINTS = {
+    30: "[gym_fork] sandboxes see the host's files read-only (EROFS): pass "
+    "writable_paths=[...] to ForkVectorEnv for directories an env must write, or "
+    "private_tmp=False for the host's /tmp.",
+    101: "[gym_fork] sandboxes have no network by default (ENETUNREACH): pass network=True.",
+    -2: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",
+    -3: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",
+}
+_ERRNO_IN_MESSAGE = re.compile(r"\[Errno (-?\d+)\]")
+
+
+def sandbox_default_hint(exc: BaseException, message: str) -> str | None:
+    """The note naming the option that lifts the sandbox default an OSError came from
+    (read-only host, no network), or None."""
+    if not isinstance(exc, OSError) and "Error" not in type(exc).__name__:
+        return None
+    code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else None
+    if code is None:
+        found = _ERRNO_IN_MESSAGE.search(message)
+        code = int(found.group(1)) if found else None
+    return _DEFAULT_HINTS.get(code)
 
 
 def _record_index(record: Any) -> int:

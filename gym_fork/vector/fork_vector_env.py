@@ -85,9 +85,14 @@ class ForkVectorEnv(VectorEnv):
         private_tmp: give each sandbox its own writable /tmp and an empty /dev/shm
             (default True). The host's /tmp stays readable (an overlay), but files an env
             writes there are invisible to the host and to other sandboxes and gone when
-            the sandbox ends. A branch's clones write through TMPDIR into their own
-            copy; a literal /tmp path they write is seen by their source (reported in
-            ``isolation["missing"]``). ``False``: the host's /tmp, as AsyncVectorEnv.
+            the sandbox ends. A branch's clones start from a copy of their source's /tmp
+            and /dev/shm at the fork and diverge privately. ``False``: the host's /tmp
+            and /dev/shm, writable, as AsyncVectorEnv.
+        writable_paths: host directories sandboxes may write (default none). Everything
+            else of the host is read-only in a sandbox (with ``namespaces=True``); a
+            write refused there names this option. Reported in ``isolation["writable"]``.
+        tmpfs_bytes: size of each private tmpfs layer (/tmp and /dev/shm of a sandbox,
+            and the tree's /tmp); default 1 GiB, or ``limits.memory_bytes`` if smaller.
         check_actions: reject actions outside the action space before they reach the
             sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
             path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
@@ -148,6 +153,8 @@ class ForkVectorEnv(VectorEnv):
         limits: SandboxLimits | None = None,
         namespaces: bool = True,
         private_tmp: bool = True,
+        writable_paths: Sequence[str | os.PathLike] = (),
+        tmpfs_bytes: int | None = None,
         timeout: float | None = None,
         gpu_fork_policy: str = "refuse",
         host: str | None = None,
@@ -174,6 +181,8 @@ class ForkVectorEnv(VectorEnv):
             private_tmp=private_tmp,
             limits=limits,
             prepare=_prepare,
+            writable_paths=writable_paths,
+            tmpfs_bytes=tmpfs_bytes,
             shared_memory=shared_memory,
             copy=copy,
             context=context,

@@ -1,0 +1,341 @@
+"""The boundary (issue 18), tried from inside default process sandboxes the way a careless
+or hostile env would: a branch never touches its source or its siblings, and a sandbox
+writes nothing of the host's."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import site
+import socket
+import sys
+import uuid
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork import ForkVectorEnv
+from gym_fork.system import namespaces
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root here")
+
+STATE_FILE = "/tmp/gym_fork_boundary_state"  # a fixed path, as simulators keep them
+
+
+class FixedPathEnv(gym.Env):
+    """Keeps its whole state in a file at a fixed /tmp path, and probes the boundary."""
+
+    observation_space = gym.spaces.Box(-1e18, 1e18, (1,), np.float64)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        with open(STATE_FILE, "w") as f:
+            f.write(repr(float(self.np_random.integers(100))))
+        return self._obs(), {}
+
+    def _obs(self):
+        with open(STATE_FILE) as f:
+            return np.array([float(f.read())])
+
+    def step(self, action):
+        value = self._obs()[0] * 3 + int(action) + 1
+        with open(STATE_FILE, "w") as f:
+            f.write(repr(float(value % 1e15)))
+        return self._obs(), 0.0, False, False, {}
+
+    # -- probes called through envs.call ----------------------------------------------
+    def leave_traces(self, tag=None):
+        """A /dev/shm file, a SysV segment and an abstract socket named by ``tag`` (a
+        new random one if None); returns the tag."""
+        tag = tag or uuid.uuid4().hex[:8]
+        with open(f"/dev/shm/gf_{tag}", "w") as f:
+            f.write(tag)
+        key = _sysv_key(tag)
+        libc = ctypes.CDLL(None, use_errno=True)
+        shmid = libc.shmget(key, 4096, 0o1000 | 0o600)  # IPC_CREAT
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(f"\0gf_{tag}")
+        sock.listen()
+        self._kept = sock  # listening while the env lives
+        assert shmid >= 0
+        return tag
+
+    def find_traces(self, tag):
+        found = []
+        if os.path.exists(f"/dev/shm/gf_{tag}"):
+            found.append("shm file")
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.shmget(_sysv_key(tag), 0, 0) >= 0:
+            found.append("sysv")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(f"\0gf_{tag}")
+            found.append("abstract socket")
+        except OSError:
+            pass
+        finally:
+            probe.close()
+        return found
+
+    def try_writes(self, paths):
+        results = {}
+        for path in paths:
+            try:
+                with open(path, "a") as f:
+                    f.write("x")
+                results[path] = "written"
+            except OSError as exc:
+                results[path] = exc.strerror
+        return results
+
+    def devices(self):
+        return sorted(os.listdir("/dev"))
+
+
+def _sysv_key(tag: str) -> int:
+    return int.from_bytes(tag.encode()[:4].ljust(4, b"_"), "little") & 0x7FFFFFFF
+
+
+def envs_of(n: int = 1, **kwargs) -> ForkVectorEnv:
+    kwargs.setdefault("envs_per_worker", 1)
+    kwargs.setdefault("lineage_log", False)
+    return ForkVectorEnv([FixedPathEnv] * n, **kwargs)
+
+
+def trajectory(envs, actions_per_step):
+    return np.array([envs.step(np.array(a))[0][:, 0] for a in actions_per_step])
+
+
+def test_a_branch_and_its_source_diverge_as_separately_built_envs_do():
+    """The env keeps its state at a fixed /tmp path: each branch and the source evolve
+    exactly as a separately built env fed the same actions would."""
+    prefix = [[1]] * 3
+    source = envs_of(1)
+    try:
+        source.reset(seed=7)
+        trajectory(source, prefix)
+        branch = source.fork("b", indices=[0], copies=2)
+        try:
+            branch_steps = [[0, 2], [2, 0], [1, 1], [0, 0]]
+            source_steps = [[2], [2], [0], [1]]
+            # Interleaved: every write of one is followed by reads of the others.
+            got_branch, got_source = [], []
+            for b_act, s_act in zip(branch_steps, source_steps, strict=True):
+                got_branch.append(branch.step(np.array(b_act))[0][:, 0])
+                got_source.append(source.step(np.array(s_act))[0][:, 0])
+        finally:
+            branch.close()
+    finally:
+        source.close()
+    for copy, column in ((0, 0), (1, 1)):
+        reference = envs_of(1)
+        try:
+            reference.reset(seed=7)
+            trajectory(reference, prefix)
+            expected = trajectory(reference, [[a[column]] for a in branch_steps])[:, 0]
+        finally:
+            reference.close()
+        assert np.array_equal(np.array(got_branch)[:, copy], expected), copy
+    reference = envs_of(1)
+    try:
+        reference.reset(seed=7)
+        trajectory(reference, prefix)
+        assert np.array_equal(np.array(got_source)[:, 0], trajectory(reference, source_steps)[:, 0])
+    finally:
+        reference.close()
+
+
+def test_shm_files_sysv_segments_and_abstract_sockets_stay_with_their_sandbox():
+    source = envs_of(1)
+    try:
+        source.reset(seed=0)
+        branch = source.fork("b", indices=[0], copies=2)
+        try:
+            assert branch.isolation["namespaces"]["ipc"] and branch.isolation["private_tmp"]
+            (made_by_source,) = source.call("leave_traces")
+            first, second = branch.call("leave_traces")
+            everything = ["abstract socket", "shm file", "sysv"]
+            # No sibling sees another's, the source sees none of the branch's, and the
+            # branch none that its source made after the fork.
+            assert branch.call("find_traces", made_by_source) == ([], [])
+            assert source.call("find_traces", first) == ([],)
+            assert [sorted(t) for t in branch.call("find_traces", first)] == [everything, []]
+            assert [sorted(t) for t in branch.call("find_traces", second)] == [[], everything]
+        finally:
+            branch.close()
+    finally:
+        source.close()
+
+
+def test_a_clone_starts_from_its_source_shm_and_tmp_files_at_the_fork():
+    """What the source wrote before the fork is the clone's starting point (a copy)."""
+    source = envs_of(1)
+    try:
+        source.reset(seed=0)
+        (tag,) = source.call("leave_traces")
+        branch = source.fork("b", indices=[0])
+        try:
+            assert "shm file" in branch.call("find_traces", tag)[0]
+            before = branch.step(np.array([1]))[0][0, 0]
+            after = source.step(np.array([1]))[0][0, 0]
+            assert before == after  # same state file content at the fork, same action
+        finally:
+            branch.close()
+    finally:
+        source.close()
+
+
+def _host_targets(tmp_name: str) -> list[str]:
+    gymnasium_dir = os.path.dirname(gym.__file__)
+    site_dir = site.getsitepackages()[0]
+    return [
+        os.path.join(gymnasium_dir, f"{tmp_name}.py"),  # a module the controller imports
+        os.path.join(site_dir, f"{tmp_name}.pth"),  # run by every later interpreter
+        os.path.join(os.path.dirname(os.__file__), f"{tmp_name}.py"),  # the stdlib
+        f"/etc/{tmp_name}",
+        f"/var/tmp/{tmp_name}",
+        os.path.expanduser(f"~/.{tmp_name}rc"),
+        "/proc/sys/kernel/core_pattern",
+        "/proc/sys/vm/overcommit_memory",
+        "/proc/sysrq-trigger",
+        "/sys/kernel/mm/transparent_hugepage/enabled",
+    ]
+
+
+@pytest.mark.parametrize("kind", ["sandbox", "clone"])
+def test_host_files_and_kernel_settings_cannot_be_written(kind):
+    name = f"gym_fork_boundary_{uuid.uuid4().hex[:8]}"
+    targets = [t for t in _host_targets(name) if os.path.exists(os.path.dirname(t))]
+    before = {t: _read(t) for t in targets}
+    envs = envs_of(1)
+    try:
+        envs.reset(seed=0)
+        probe = envs if kind == "sandbox" else envs.fork("b", indices=[0])
+        results = probe.call("try_writes", targets)[0]
+        if probe is not envs:
+            probe.close()
+    finally:
+        envs.close()
+    written = {t: r for t, r in results.items() if r == "written"}
+    assert not written, written
+    for target in targets:
+        assert _read(target) == before[target], target
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096)
+    except OSError:
+        return None
+
+
+def test_the_report_says_read_only_as_measured_and_dev_is_minimal():
+    envs = envs_of(1)
+    try:
+        envs.reset(seed=0)
+        report = envs.isolation
+        assert report["read_only_host"] is True, report
+        devices = envs.call("devices")[0]
+        assert {"null", "zero", "urandom", "shm", "pts"} <= set(devices)
+        host_disks = [d for d in os.listdir("/dev") if d.startswith(("vd", "sd", "nvme", "loop"))]
+        assert not set(host_disks) & set(devices), devices
+        assert "kmsg" not in devices and "mem" not in devices
+    finally:
+        envs.close()
+
+
+def test_writable_paths_are_bound_writable_and_reported(tmp_path):
+    target = tmp_path / "shared"
+    target.mkdir()
+    envs = envs_of(1, writable_paths=[str(target)], private_tmp=True)
+    try:
+        envs.reset(seed=0)
+        results = envs.call("try_writes", [str(target / "out"), "/etc/gf_nope"])[0]
+        assert results[str(target / "out")] == "written"
+        assert results["/etc/gf_nope"] == "Read-only file system"
+        assert str(target) in envs.isolation["writable"]
+    finally:
+        envs.close()
+    assert (target / "out").read_text() == "x"
+
+
+def test_a_refused_write_names_the_option_that_lifts_it():
+    class WritesEtc(FixedPathEnv):
+        def reset(self, *, seed=None, options=None):
+            with open("/var/tmp/gym_fork_boundary_refused", "w") as f:
+                f.write("x")
+            return super().reset(seed=seed, options=options)
+
+    envs = ForkVectorEnv([WritesEtc], lineage_log=False)
+    try:
+        with pytest.raises(OSError) as info:
+            envs.reset(seed=0)
+        assert "writable_paths=" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    finally:
+        envs.close()
+
+
+def test_user_namespace_nesting_has_a_fallback_that_says_so():
+    """Deep chains of forks (tree search) keep working past the kernel's 32 nested user
+    namespaces: the deepest clones share their source's mounts and say so."""
+    envs = envs_of(1)
+    chain = [envs]
+    try:
+        envs.reset(seed=0)
+        for _ in range(34):
+            chain.append(chain[-1].fork(f"d{len(chain)}", indices=[0]))
+        deepest = chain[-1]
+        assert "sandbox_mount" in deepest.isolation["missing"]
+        assert "32" in deepest.isolation["missing"]["sandbox_mount"]
+        obs = deepest.step(np.array([1]))[0]
+        assert obs.shape == (1, 1)
+    finally:
+        for env in reversed(chain):
+            env.close()
+
+
+def test_namespaces_module_refuses_a_missing_path_clearly():
+    with pytest.raises(OSError, match="open_tree /no/such/path"):
+        namespaces.clone_mount("/no/such/path")
+
+
+def lying_env():
+    """Rewrites its sandbox's own isolation report before the HELLO, claiming layers."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        worker = frame.f_locals.get("self")
+        report = getattr(worker, "isolation", None)
+        if isinstance(report, dict) and "sandbox" in report:
+            report["sandbox"].update(
+                mount=True,
+                ipc=True,
+                seccomp="on (999 syscalls refused)",
+                capabilities="dropped",
+                read_only_host=True,
+                no_new_privs=True,
+            )
+            break
+        frame = frame.f_back
+    return FixedPathEnv()
+
+
+def test_the_reported_isolation_is_measured_not_what_the_sandbox_claims():
+    envs = ForkVectorEnv([lying_env], namespaces=False, lineage_log=False)
+    try:
+        report = envs.isolation
+        assert report["measured_by"].startswith("controller")
+        assert report["namespaces"]["mount"] is False and report["namespaces"]["ipc"] is False
+        assert report["read_only_host"] is False
+        assert "999" not in report["seccomp"] and report["seccomp"].startswith("on (")
+    finally:
+        envs.close()
+    envs = ForkVectorEnv([lying_env], lineage_log=False)
+    try:
+        report = envs.isolation
+        assert report["capabilities"] == "dropped, but CAP_SETFCAP"
+        assert report["namespaces"] == {k: True for k in ("mount", "ipc", "uts", "net", "pid")}
+    finally:
+        envs.close()
