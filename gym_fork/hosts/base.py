@@ -246,8 +246,12 @@ class Host(Protocol):
         """A dead worker's exit code (negative: a signal), None when unknown."""
         ...
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
-        """The isolation achieved, from one sandbox's own report (its HELLO)."""
+    def isolation(
+        self, sandbox: dict[str, Any] | None = None, pid: int | None = None
+    ) -> IsolationReport:
+        """The isolation achieved: one sandbox's own report (its HELLO), checked where
+        the host can against what the kernel says about that sandbox's process ``pid``
+        (a host pid)."""
         ...
 
     def check_slab(self, nbytes: int) -> None:

@@ -144,7 +144,9 @@ class InlineHost(SharedByBranches):
     def check_slab(self, nbytes: int) -> None:
         """Any slab fits."""
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
+    def isolation(
+        self, sandbox: dict[str, Any] | None = None, pid: int | None = None
+    ) -> IsolationReport:
         """None: the sub-envs run in the controller."""
         why = "host='inline' runs sub-envs in the controller's own process"
         return IsolationReport(

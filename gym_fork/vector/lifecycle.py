@@ -348,7 +348,10 @@ class Sandboxes:
             return {}
         workers = self.pool.workers
         report = workers[0].info.get("isolation") if workers else None
-        achieved = self.host.isolation(report if isinstance(report, dict) else None).as_dict()
+        achieved = self.host.isolation(
+            report if isinstance(report, dict) else None,
+            pid=workers[0].pid if workers else None,
+        ).as_dict()
         achieved["sub_envs_per_sandbox"] = self.config.envs_per_worker
         return achieved
 

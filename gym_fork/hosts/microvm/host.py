@@ -602,7 +602,9 @@ class MicroVMHost(SharedByBranches):
             return None
         return machine.process.poll()
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
+    def isolation(
+        self, sandbox: dict[str, Any] | None = None, pid: int | None = None
+    ) -> IsolationReport:
         """What separates sandboxes here, measured inside a guest (its HELLO report)."""
         guest = (sandbox or {}) or self.guest
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -35,6 +35,7 @@ from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
+from gym_fork.system.measure import measure
 from gym_fork.system.scratch import sweep
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
@@ -291,8 +292,11 @@ class ProcessHost(SharedByBranches):
         self.sock, self.process = _start_warm_parent(config.start_timeout)
         watch = getattr(self.process, "watch", None)  # a zygote's fork: by its pidfd
         self.watch = watch() if watch is not None else ProcessWatch(self.process.pid)
-        known = _env_modules.known(message["env_fns"]) if config.trusted else None
-        message["preimport"] = {"enabled": config.trusted, **(known or {})}
+        # The pre-import is on whether or not sandboxes are trusted: the names a
+        # throw-away sandbox reports select installed packages only, files no sandbox
+        # can write (their read-only view of the host) and older than the build.
+        known = _env_modules.known(message["env_fns"])
+        message["preimport"] = {"enabled": True, **(known or {})}
         message["controller_pid"] = os.getpid()
         message["die_with_controller"] = threading.current_thread() is threading.main_thread()
         message["isolation"] = cloudpickle.dumps(config.isolation)
@@ -302,7 +306,7 @@ class ProcessHost(SharedByBranches):
             _close_all(fds)
             raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
         (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
-        if config.trusted and known is None:
+        if known is None:
             _env_modules.learn(message["env_fns"], reply.get("preimported"))
         return reply, parent
 
@@ -476,38 +480,78 @@ class ProcessHost(SharedByBranches):
     def check_slab(self, nbytes: int) -> None:
         """Any slab fits: it is a memfd of the size the vector env asks for."""
 
-    def isolation(self, sandbox: dict[str, Any] | None = None) -> IsolationReport:
+    def isolation(
+        self, sandbox: dict[str, Any] | None = None, pid: int | None = None
+    ) -> IsolationReport:
         """What separates sandboxes on this host, as achieved (not as hoped).
 
         ``sandbox`` is the report of one sandbox (its HELLO); without it, the tree's.
+        With ``pid`` (that sandbox's host pid) the namespaces, no_new_privs, seccomp,
+        capabilities and the read-only view are what the kernel says about the process
+        (gym_fork/system/measure.py), not what the sandbox said: env code may have run
+        in it before it reported.
         """
         report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
         tree = report.get("tree") or self.tree_isolation.get("tree", {})
         own = report.get("sandbox", {})
         missing = dict(self.tree_isolation.get("missing", {}))
         missing.update(report.get("missing", {}))
+        namespaces = {
+            "mount": bool(own.get("mount")),
+            "ipc": bool(own.get("ipc")),
+            "uts": bool(tree.get("uts")),
+            "net": bool(tree.get("net")),
+            "pid": bool(tree.get("pid")),
+        }
+        details = {
+            "process": True,
+            "address_space": "copy-on-write fork",
+            "proc": "the tree's own" if tree.get("proc") else "the host's",
+            "capabilities": own.get("capabilities", "kept"),
+            "seccomp": own.get("seccomp", "off"),
+            "read_only_host": bool(own.get("read_only_host")),
+            "writable": list(own.get("writable", [])),
+            "user_namespace": bool(own.get("user")),
+        }
+        no_new_privs = bool(own.get("no_new_privs"))
+        measured = None if pid is None else measure(pid, self._writable_mounts())
+        if measured is not None:
+            seen = measured.namespaces
+            namespaces = {
+                "mount": seen["mnt"],
+                "ipc": seen["ipc"],
+                "uts": seen["uts"],
+                "net": seen["net"],
+                "pid": seen["pid"],
+            }
+            no_new_privs = measured.no_new_privs
+            details.update(
+                capabilities=measured.capabilities_text(),
+                seccomp=measured.seccomp_text(),
+                user_namespace=seen["user"],
+                read_only_host=measured.writable_mounts == [],
+                measured_by="controller (/proc/<pid> of the sandbox)",
+            )
+            if measured.writable_mounts:
+                missing.setdefault(
+                    "read_only_host",
+                    f"writable mounts of the host: {', '.join(measured.writable_mounts)}",
+                )
         return IsolationReport(
             host=self.kind,
-            network="off" if tree.get("net") else "host",
-            namespaces={
-                "mount": bool(own.get("mount")),
-                "ipc": bool(own.get("ipc")),
-                "uts": bool(tree.get("uts")),
-                "net": bool(tree.get("net")),
-                "pid": bool(tree.get("pid")),
-            },
+            network="off" if namespaces["net"] else "host",
+            namespaces=namespaces,
             private_tmp=bool(own.get("private_tmp")),
-            no_new_privs=bool(own.get("no_new_privs")),
+            no_new_privs=no_new_privs,
             limits=report.get("limits", {}),
             missing=missing,
-            details={
-                "process": True,
-                "address_space": "copy-on-write fork",
-                "proc": "the tree's own" if tree.get("proc") else "the host's",
-                "capabilities": own.get("capabilities", "kept"),
-                "seccomp": own.get("seccomp", "off"),
-            },
+            details=details,
         )
+
+    def _writable_mounts(self) -> frozenset[str]:
+        """Mount points a sandbox of this host may write besides its own layers."""
+        isolation = getattr(self.config, "isolation", None)
+        return frozenset(isolation.shared_writable()) if isolation is not None else frozenset()
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""

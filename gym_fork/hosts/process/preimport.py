@@ -11,7 +11,10 @@ or GPU context of a user's env in the process that forks every sandbox).
 
 What the throw-away sandbox reports is treated as untrusted: bounded in size, names
 checked, imports that fail are skipped (the sandboxes import on their own then).
-Only for trusted sandboxes (the process host's default): the names come from env code.
+The names come from env code, trusted or not: they select only installed packages whose
+files no sandbox can write (every sandbox sees the host read-only) and that are older
+than the build, so the warm parent runs code the user installed, never code a sandbox
+wrote.
 The controller keeps the names per env_fns, so a later warm parent of the same env_fns
 imports them at once (``gym_fork.hosts.process.host.EnvModules``).
 ``GYM_FORK_PREIMPORT=0`` turns it off.
