@@ -189,16 +189,31 @@ def like_builtin(
         for candidate in known.__mro__ if known is not None else ():
             if candidate is Exception:
                 break
-            try:
-                # str() is the message as sent (KeyError's own __str__ would quote it).
-                mixed = type(
-                    f"{base.__name__}[{type_name}]",
-                    (base, candidate),
-                    {"__str__": BaseException.__str__},
-                )
-                probe = candidate.__new__(mixed, "probe")
-                candidate.__init__(probe, "probe")
-            except TypeError:  # a layout that cannot be mixed in, or more arguments needed
-                continue
-            return mixed
+            mixed = _mixed(base, candidate, type_name)
+            if mixed is not None:
+                return mixed
     return base
+
+
+def _base_new(cls, *args, **kwargs):
+    return BaseException.__new__(cls, *args)
+
+
+def _mixed(base: type[GymForkError], candidate: type, type_name: str) -> type | None:
+    """``base`` mixed with ``candidate``, or None if they cannot be. Types with a
+    ``__new__`` of their own that refuses subclasses (MemoryError's free list) get
+    BaseException's."""
+    # str() is the message as sent (KeyError's own __str__ would quote it).
+    for extra in ({}, {"__new__": _base_new}):
+        try:
+            mixed = type(
+                f"{base.__name__}[{type_name}]",
+                (base, candidate),
+                {"__str__": BaseException.__str__, **extra},
+            )
+            probe = mixed.__new__(mixed, "probe")
+            candidate.__init__(probe, "probe")
+        except TypeError:  # a layout that cannot be mixed in, or more arguments needed
+            continue
+        return mixed
+    return None
