@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError:
             print(f"gym-fork lineage: no such log: {path}")
             return 2
+        except OSError as exc:  # a symlink (not followed), a FIFO, a directory, ...
+            print(f"gym-fork lineage: cannot read {path}: {exc}")
+            return 2
+        if events.skipped:
+            print(
+                f"gym-fork lineage: {events.skipped} malformed line(s) of {path} skipped",
+                file=sys.stderr,
+            )
         if args.html or args.png:
             return _pictures(events, str(path), args)
         if args.root is not None or args.last is not None:

@@ -2,6 +2,11 @@
 network) and a PNG (matplotlib, extra ``plots``) of its branch trees.
 
 ``gym-fork lineage --html out.html --png out.png [LOG]`` writes both.
+
+A log is not trusted (a sandbox may have written lines into it): only typed events are
+drawn, every string from it is HTML-escaped (``html.escape``, quotes too) in text and
+attributes alike, the page has no script, and the PNG draws text without parsing it as
+mathtext.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .log import valid_events
 
 # Box colours by exit status: (stroke, fill).
 STATUS_COLOURS = {
@@ -39,6 +46,7 @@ class BranchNode:
     pids: list[int] = field(default_factory=list)
     n_events: int = 0
     children: list[str] = field(default_factory=list)
+    up: str | None = None  # the branch it is drawn under (None: the root of a tree)
     depth: int = 0
     row: float = 0.0
 
@@ -103,35 +111,39 @@ def _short_list(values: list[Any], keep: int) -> str:
 
 def branch_nodes(events: list[dict[str, Any]]) -> tuple[dict[str, BranchNode], list[str]]:
     """The branches of a lineage log by id, laid out (``depth``, ``row``), and the root
-    ids in log order (a branch whose parent is not in the log counts as a root)."""
+    ids in log order. Malformed events are skipped
+    (:func:`~gym_fork.lineage.log.event_problem`) and the first record of an id counts;
+    a branch hangs under its parent only if the parent was recorded before it (so a log
+    never makes a cycle), else it counts as a root, as one whose parent is not in the
+    log does."""
     nodes: dict[str, BranchNode] = {}
-    for e in events:
-        kind, branch_id = e.get("event"), e.get("branch_id")
+    roots: list[str] = []
+    for e in valid_events(events):
+        kind, branch_id = e["event"], e.get("branch_id")
         if kind in ("root_ready", "branch_created") and branch_id not in nodes:
-            nodes[branch_id] = BranchNode(
+            node = BranchNode(
                 branch_id=branch_id,
                 parent_branch_id=e.get("parent_branch_id"),
                 baseline_id=e.get("baseline_id"),
-                num_envs=int(e.get("num_envs") or 0),
+                num_envs=e.get("num_envs") or 0,
                 source_indices=list(e.get("source_indices") or []),
-                copies=int(e.get("copies") or 1),
+                copies=e.get("copies") or 1,
                 seeds=e.get("seeds"),
                 created=e.get("created"),
                 timings=dict(e.get("timings") or {}),
                 pids=list(e.get("pids") or []),
             )
+            if node.parent_branch_id in nodes:  # recorded before it
+                node.up = node.parent_branch_id
+                nodes[node.up].children.append(branch_id)
+            else:
+                roots.append(branch_id)
+            nodes[branch_id] = node
         elif kind == "closed" and branch_id in nodes:
             nodes[branch_id].exit_status = e.get("exit_status")
             nodes[branch_id].closed = e.get("closed")
         elif branch_id in nodes:
             nodes[branch_id].n_events += 1
-    roots = []
-    for node in nodes.values():
-        parent = node.parent_branch_id
-        if parent is None or parent not in nodes:
-            roots.append(node.branch_id)
-        else:
-            nodes[parent].children.append(node.branch_id)
     _layout(nodes, roots)
     return nodes, roots
 
@@ -177,8 +189,8 @@ def select_trees(
         if root not in nodes:
             raise KeyError(f"no branch {root!r} in this log")
         current = root
-        while nodes[current].parent_branch_id in nodes:
-            current = nodes[current].parent_branch_id  # type: ignore[assignment]
+        while nodes[current].up is not None:  # parents come earlier: this ends
+            current = nodes[current].up  # type: ignore[assignment]
         return [current]
     if last is not None:
         return roots[-last:] if last > 0 else []
@@ -298,9 +310,11 @@ def _clip(text: str, width: int) -> str:
 def _when(stamp: float | None) -> str:
     if stamp is None:
         return ""
-    return (
-        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f".{int(stamp % 1 * 1000):03d}"
-    )
+    try:
+        when = time.localtime(stamp)
+    except (OverflowError, OSError, ValueError):  # a time no clock shows
+        return html.escape(repr(stamp))
+    return time.strftime("%Y-%m-%d %H:%M:%S", when) + f".{int(stamp % 1 * 1000):03d}"
 
 
 def _table(nodes: dict[str, BranchNode], roots: list[str]) -> str:
@@ -361,7 +375,7 @@ def render_html(
     meta = (
         f"{len(roots)} tree(s), {len(nodes)} vector env(s), "
         f"{sum(n.num_envs for n in nodes.values())} sub-envs in all"
-        + (f"; baseline {', '.join(baselines)}" if baselines else "")
+        + (f"; baseline {html.escape(', '.join(baselines))}" if baselines else "")
         + (f"; log {html.escape(source)}" if source else "")
     )
     return f"""<!DOCTYPE html>
@@ -423,7 +437,8 @@ def render_png(
     ax.set_xlim(-0.2, width_in - 0.2)
     ax.set_ylim(height_in - 0.5, -0.6)
     ax.axis("off")
-    ax.text(0, -0.3, title, fontsize=11, fontweight="bold", va="center")
+    # Text from the log is drawn as it is: never parsed as mathtext ("$...$").
+    ax.text(0, -0.3, title, fontsize=11, fontweight="bold", va="center", parse_math=False)
 
     def xy(node: BranchNode) -> tuple[float, float]:
         return node.depth * col_w, node.row * 1.1 + 0.2
@@ -447,6 +462,7 @@ def render_png(
                 color="#666",
                 ha="right",
                 va="bottom",
+                parse_math=False,
             )
     for node in nodes.values():
         x0, y0 = xy(node)
@@ -470,6 +486,7 @@ def render_png(
             fontweight="bold",
             family="monospace",
             va="center",
+            parse_math=False,
         )
         status = f"{node.status}  {node.timing_text()}".strip()
         for k, (line, colour) in enumerate(
@@ -483,6 +500,7 @@ def render_png(
                 family="monospace",
                 va="center",
                 color=colour,
+                parse_math=False,
             )
     fig.savefig(os.fspath(path), dpi=dpi, facecolor="white")
     plt.close(fig)

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .log import LineageLog
+from .log import LineageLog, valid_events
 
 
 @dataclass
@@ -131,45 +131,71 @@ class Lineage:
         )
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
+# Line separators and bidirectional overrides: text that reorders or splits what is shown.
+_CONTROL.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *range(0x202A, 0x202F))})
+_CONTROL.update({c: f"\\u{c:04x}" for c in range(0x2066, 0x206A)})
+
+
+def printable(text: Any) -> str:
+    """``text`` with its control characters (C0, DEL, C1, line separators, bidi
+    overrides) escaped as ``\\xNN``/``\\uNNNN``: a string from a log never moves a
+    terminal's cursor, retitles or clears it, or reorders what is shown."""
+    return str(text).translate(_CONTROL)
+
+
 def render_tree(events: list[dict[str, Any]]) -> str:
-    """A text tree of the branches in a lineage log (several roots allowed)."""
+    """A text tree of the branches in a lineage log (several roots allowed).
+
+    Malformed events are skipped (:func:`~gym_fork.lineage.log.event_problem`); the
+    first record of a branch id counts; a branch hangs under its parent only if the
+    parent was recorded before it (so a log never makes a cycle), else it is a root."""
     nodes: dict[str, dict[str, Any]] = {}
     children: dict[str | None, list[str]] = {}
-    for e in events:
-        if e.get("event") in ("root_ready", "branch_created"):
-            nodes[e["branch_id"]] = dict(e)
-            children.setdefault(e.get("parent_branch_id"), []).append(e["branch_id"])
-        elif e.get("event") == "closed" and e.get("branch_id") in nodes:
-            nodes[e["branch_id"]]["exit_status"] = e.get("exit_status")
-        elif e.get("branch_id") in nodes:
-            nodes[e["branch_id"]].setdefault("n_events", 0)
-            nodes[e["branch_id"]]["n_events"] += 1
+    orphans: list[str] = []
+    for e in valid_events(events):
+        branch_id = e.get("branch_id")
+        if e["event"] in ("root_ready", "branch_created"):
+            if branch_id in nodes:
+                continue
+            parent = e.get("parent_branch_id")
+            if parent is None:
+                children.setdefault(None, []).append(branch_id)
+            elif parent in nodes:  # recorded before it (never itself)
+                children.setdefault(parent, []).append(branch_id)
+            else:  # its parent is not in the log (or only after it)
+                orphans.append(branch_id)
+            nodes[branch_id] = dict(e)
+        elif e["event"] == "closed" and branch_id in nodes:
+            nodes[branch_id]["exit_status"] = e.get("exit_status")
+        elif branch_id in nodes:
+            nodes[branch_id].setdefault("n_events", 0)
+            nodes[branch_id]["n_events"] += 1
 
     def label(node: dict[str, Any]) -> str:
         status = node.get("exit_status") or "open"
         if node.get("parent_branch_id") is None:
-            text = f"{node['branch_id']} baseline={node.get('baseline_id')} x{node['num_envs']}"
+            text = f"{node['branch_id']} baseline={node.get('baseline_id')} x{node.get('num_envs')}"
         else:
             text = (
                 f"{node['branch_id']} from {node.get('source_indices')} x{node.get('copies')}"
-                f" -> {node['num_envs']} sub-envs"
+                f" -> {node.get('num_envs')} sub-envs"
             )
             if node.get("seeds") and any(s is not None for s in node["seeds"]):
                 text += f" reseeded {node['seeds']}"
-        return f"{text} [{status}]"
+        return printable(f"{text} [{status}]")
 
     lines: list[str] = []
-
-    def walk(branch_id: str, prefix: str, last: bool, top: bool) -> None:
+    # Iterative depth-first walk: a deep chain of branches never hits the recursion limit.
+    stack: list[tuple[str, str, bool, bool]] = [
+        (root, "", True, True) for root in reversed(children.get(None, []) + orphans)
+    ]
+    while stack:
+        branch_id, prefix, last, top = stack.pop()
         connector = "" if top else ("└── " if last else "├── ")
         lines.append(prefix + connector + label(nodes[branch_id]))
         kids = children.get(branch_id, [])
-        for i, kid in enumerate(kids):
-            extension = "" if top else ("    " if last else "│   ")
-            walk(kid, prefix + extension, i == len(kids) - 1, False)
-
-    roots = [b for b in children.get(None, [])]
-    roots += [b for p, kids in children.items() if p is not None and p not in nodes for b in kids]
-    for root in roots:
-        walk(root, "", True, True)
+        extension = "" if top else ("    " if last else "│   ")
+        for i in reversed(range(len(kids))):
+            stack.append((kids[i], prefix + extension, i == len(kids) - 1, False))
     return "\n".join(lines)
