@@ -568,6 +568,25 @@ def _write_text(path: str, text: str) -> None:
         os.close(fd)
 
 
+def private_tmp_leftovers(limit: int = 10_000) -> dict[str, int] | None:
+    """Files (and their bytes) this sandbox wrote into its private /tmp, counting at most
+    ``limit`` entries; None without a private /tmp of its own."""
+    writes = _private_writes()
+    if writes is None:
+        return None
+    files = size = 0
+    for root, _dirs, names in os.walk(writes):
+        for name in names:
+            with contextlib.suppress(OSError):
+                info = os.lstat(os.path.join(root, name))
+                if stat.S_ISREG(info.st_mode):
+                    files += 1
+                    size += info.st_size
+            if files >= limit:
+                return {"files": files, "bytes": size}
+    return {"files": files, "bytes": size} if files else None
+
+
 def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
     """What a clone's TMPDIR starts from: its source's scratch dir, or with a private
     /tmp the source's own writes (not the whole /tmp: its lower layer is the host's)."""

@@ -394,8 +394,30 @@ class Sandboxes:
                 worker.awaiting = 0
                 worker.channel.send([P.CLOSE, 0, None], deadline.slice() or 0.01)
             for worker in live:
-                self.pool.receive(worker, deadline, P.CLOSE)
+                reply = self.pool.receive(worker, deadline, P.CLOSE)
+                note_tmp_leftovers(reply[2] if len(reply) > 2 else None)
         except (WaitTimeout, SubEnvCrashed, RingTimeout, TransportError, OSError):
             pass  # past the deadline, dead or misbehaving: it is killed next
         except Exception as exc:
             logger.warn(f"Error while closing the sub-envs: {exc!r}")
+
+
+_TMP_NOTED = False
+
+
+def note_tmp_leftovers(report: Any) -> None:
+    """Say once per process that sandboxes left files in their private /tmp at close
+    (they are gone with them), and which option keeps them. ``report`` comes from a
+    sandbox: only two non-negative ints are read from it."""
+    global _TMP_NOTED
+    if _TMP_NOTED or not isinstance(report, dict):
+        return
+    files, size = report.get("files"), report.get("bytes")
+    if type(files) is not int or type(size) is not int or files <= 0 or size < 0:
+        return
+    _TMP_NOTED = True
+    logger.warn(
+        f"gym_fork: a sandbox left {files} file(s) ({size / 2**20:.1f} MiB) in its private "
+        "/tmp at close; they are gone with it. private_tmp=False gives sandboxes the "
+        "host's /tmp, writable_paths=[...] a host directory of your choice (said once)."
+    )

@@ -93,8 +93,9 @@ class Worker:
         """Operations a host adds to the loop (op -> handler)."""
         return {}
 
-    def on_close(self) -> None:
-        """Called after the sub-envs are closed, before the CLOSE reply."""
+    def on_close(self) -> Any:
+        """Called after the sub-envs are closed; its result is the CLOSE reply's."""
+        return None
 
     # -- start-up -------------------------------------------------------------------
     def hello(self, attach: dict[str, Any] | None = None) -> bool:
@@ -317,8 +318,7 @@ class Worker:
             op, seq, arg = channel.recv()
             if op == P.CLOSE:
                 self.close_envs()
-                self.on_close()
-                channel.send([P.CLOSE, seq, None, None])
+                channel.send([P.CLOSE, seq, self.on_close(), None])
                 return
             handler = handlers.get(op)
             if handler is None:

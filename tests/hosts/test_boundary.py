@@ -339,3 +339,26 @@ def test_the_reported_isolation_is_measured_not_what_the_sandbox_claims():
         assert report["namespaces"] == {k: True for k in ("mount", "ipc", "uts", "net", "pid")}
     finally:
         envs.close()
+
+
+class LeavesTmpFiles(FixedPathEnv):
+    def reset(self, *, seed=None, options=None):
+        with open("/tmp/gym_fork_boundary_video.mp4", "wb") as f:
+            f.write(b"x" * 4096)
+        return super().reset(seed=seed, options=options)
+
+
+def test_files_left_in_the_private_tmp_are_noted_once_at_close(monkeypatch):
+    from gym_fork.vector import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_TMP_NOTED", False)
+    notes = []
+    monkeypatch.setattr(lifecycle.logger, "warn", lambda text, *a, **k: notes.append(text))
+    for _ in range(2):
+        envs = ForkVectorEnv([LeavesTmpFiles] * 2, envs_per_worker=1, lineage_log=False)
+        envs.reset(seed=0)
+        envs.close()
+    tmp_notes = [n for n in notes if "private /tmp" in n]
+    assert len(tmp_notes) == 1, notes
+    assert "private_tmp=False" in tmp_notes[0] and "file(s)" in tmp_notes[0]
+    assert not os.path.exists("/tmp/gym_fork_boundary_video.mp4")  # it never reached the host

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import gymnasium as gym
 
-from gym_fork.system.isolation import IsolationConfig, enter_sandbox
+from gym_fork.system.isolation import IsolationConfig, enter_sandbox, private_tmp_leftovers
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import send_message
@@ -66,8 +66,11 @@ class ProcessWorker(Worker):
 
         return fork_clones(self, arg)
 
-    def on_close(self) -> None:
+    def on_close(self) -> dict[str, int] | None:
+        """Remove the scratch dir; report what the env left in its private /tmp (gone
+        with the sandbox), for the controller's one note about it."""
         remove_scratch(self.scratch)
+        return private_tmp_leftovers()
 
 
 def run_as_sandbox(body: Callable[[], None]) -> NoReturn:
