@@ -152,13 +152,64 @@ class RefusedPickle:
         return f"<refused pickle of {self.nbytes} bytes>"
 
 
-def _no_pickle_hook(refused: list[int]):
-    def hook(code: int, data: bytes) -> Any:
+# Tuple keys one record from an untrusted sandbox may hold. Tuples of ints can be built
+# to share one hash: a dict of n of them takes n**2 time to build (8000 such keys: 0.7 s
+# holding the GIL). This many keep a record under ~0.1 s; tuples as values are not
+# limited (a list of 200k tuples is an honest reply).
+MAX_TUPLE_KEYS = 2048
+
+
+class _TupleSeen(Exception):
+    """A first tuple in a record decoded without looking at its maps' keys."""
+
+
+class _UntrustedDecoder:
+    """The hooks of one untrusted record: pickles refused, tuple keys counted."""
+
+    __slots__ = ("refused", "tuple_keys", "watching")
+
+    def __init__(self, refused: list[int]) -> None:
+        self.refused = refused
+        self.watching = False  # maps go through pairs() (after a first tuple)
+        self.tuple_keys = 0
+
+    def unpack(self, data: bytes) -> Any:
+        if not self.watching:
+            # Dicts as msgpack builds them, until the first tuple: then from the start
+            # again with every map's keys looked at (records without tuples pay nothing).
+            mark = len(self.refused)
+            try:
+                return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False)
+            except _TupleSeen:
+                del self.refused[mark:]
+                self.watching = True
+        return msgpack.unpackb(
+            data,
+            ext_hook=self.ext,
+            object_pairs_hook=self.pairs,
+            raw=False,
+            strict_map_key=False,
+        )
+
+    def pairs(self, pairs: list) -> dict:
+        self.tuple_keys += sum(type(key) is tuple for key, _ in pairs)
+        if self.tuple_keys > MAX_TUPLE_KEYS:
+            raise DecodeTooBig(
+                f"a record holds more than {MAX_TUPLE_KEYS} tuple dict keys, the most one "
+                "record from an untrusted sandbox may hold (tuple keys can be built to "
+                "make decoding take quadratic time); pass trusted=True to lift it"
+            )
+        return dict(pairs)
+
+    def ext(self, code: int, data: bytes) -> Any:
+        refused = self.refused
         if code == EXT_PICKLE:
             refused.append(len(data))
             return RefusedPickle(len(data))
         if code == EXT_TUPLE:
-            return tuple(unpack(data, allow_pickle=False, refused=refused))
+            if not self.watching:
+                raise _TupleSeen
+            return tuple(self.unpack(data))
         if code == EXT_PLAIN:
             try:
                 return value_from_data(unpack(data, allow_pickle=False), trusted=False)
@@ -166,8 +217,6 @@ def _no_pickle_hook(refused: list[int]):
                 refused.append(len(data))
                 return RefusedPickle(len(data))
         return _ext_hook(code, data)
-
-    return hook
 
 
 # Hot-path records with a fixed shape, encoded without a msgpack call: a request with no
@@ -321,5 +370,6 @@ def unpack(
     hold that many (every value takes at least one byte)."""
     if max_objects is not None and len(data) > max_objects:
         check_bounds(data, max_objects)
-    hook = _ext_hook if allow_pickle else _no_pickle_hook([] if refused is None else refused)
-    return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)
+    if not allow_pickle:
+        return _UntrustedDecoder([] if refused is None else refused).unpack(data)
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
