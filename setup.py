@@ -11,4 +11,8 @@ if shutil.which("cc") is None and shutil.which("gcc") is None:
         "at install time; install one first, e.g. `apt-get install build-essential`."
     )
 
-setup(cffi_modules=["ext/build_ring.py:ffibuilder"])
+setup(
+    cffi_modules=["ext/build_ring.py:ffibuilder"],
+    # The ring uses the stable ABI only: one abi3 wheel serves every CPython >= 3.11.
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+)

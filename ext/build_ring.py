@@ -48,6 +48,9 @@ ffibuilder.set_source(
     sources=["ext/gf_ring.c"],
     include_dirs=["ext"],
     extra_compile_args=["-O2", "-std=gnu11"],
+    # The stable ABI: one wheel for every CPython >= 3.11 (cffi modules need no more).
+    py_limited_api=True,
+    define_macros=[("Py_LIMITED_API", "0x030B0000")],
 )
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from gym_fork.errors import (
     TransportError,
 )
 
-__version__ = "0.1.0"
+from gym_fork._version import __version__
 
 __all__ = [
     "BadActionError",

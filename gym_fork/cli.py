@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gym_fork._version import __version__
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gym-fork``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="gym-fork", description="gym_fork tools")
+    parser.add_argument("--version", action="version", version=f"gym-fork {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the drop-in swap from AsyncVectorEnv, and its speed")
     demo.add_argument("--num-envs", type=int, default=8)
