@@ -124,6 +124,7 @@ class VectorConfig:
         num_envs = len(env_fns)
         if num_envs == 0:
             raise ValueError("ForkVectorEnv needs at least one env_fn")
+        check_env_fns(env_fns)
         check_sandbox_count(num_envs, "env_fns")
         if max_concurrency is not None:
             if not isinstance(max_concurrency, int | np.integer):
@@ -268,3 +269,17 @@ def checked_tmpfs_bytes(size: int | None) -> int | None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1 << 20:
         raise ValueError(f"`tmpfs_bytes` must be an int of at least 1 MiB, got {size!r}")
     return size
+
+
+def check_env_fns(env_fns: Sequence[Callable]) -> None:
+    """Each env_fn must be a callable that builds an env (not an env already built)."""
+    for i, env_fn in enumerate(env_fns):
+        built = not isinstance(env_fn, type) and hasattr(env_fn, "step")
+        if callable(env_fn) and not built:
+            continue
+        what = type(env_fn).__name__
+        hint = " (an env already built)" if built else ""
+        raise TypeError(
+            f"env_fns[{i}] is a {what}{hint}, not a function that builds an env: pass "
+            f"e.g. `lambda: gym.make(...)` instead of `gym.make(...)`"
+        )

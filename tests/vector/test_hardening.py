@@ -205,3 +205,8 @@ def test_a_sandbox_dying_in_the_middle_of_a_reply_is_a_crash_with_its_status_at_
         assert envs.step(np.array([0, 1]))[0].shape == (2, 2)
     finally:
         envs.close()
+
+
+def test_an_env_instead_of_an_env_fn_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"env_fns\[1\] is a TimeLimit .*lambda: gym.make"):
+        ForkVectorEnv([lambda: gym.make("CartPole-v1"), gym.make("CartPole-v1")])
