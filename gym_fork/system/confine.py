@@ -72,6 +72,14 @@ CLONE_NAMESPACE_FLAGS = (
 )
 
 CLONE_NEWUSER = 0x10000000
+UNSHARE_REFUSED_FLAGS = (
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x20000000,  # CLONE_NEWPID
+    0x00000080,  # CLONE_NEWTIME
+)
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
 # CAP_SETFCAP (31): needed, when a clone makes its user namespace, for mapping uid 0 in
 # it. Harmless where it is kept: every sandbox has no_new_privs (file capabilities are
 # never gained at exec) and writes only nosuid mounts of its own; kept only when the
@@ -268,7 +276,24 @@ def prepare_seccomp() -> tuple[object, int]:
             "unshare",
             seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_NEWUSER, 0),
         )
-        refused += 1
+        # ... and never with the namespaces a clone does not need: a cgroup namespace of
+        # its own lets a user namespace's root mount cgroupfs writable (and lift its
+        # limits); pid, UTS and time namespaces are not a clone's either.
+        for flag in UNSHARE_REFUSED_FLAGS:
+            flt.add_rule(
+                seccomp.ERRNO(errno.EPERM),
+                "unshare",
+                seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag),
+            )
+        # Typing into a terminal (TIOCSTI) or a console (TIOCLINUX) reaches a user's
+        # shell; a sandbox has no terminal of the controller's, and this keeps it so.
+        for request in (TIOCSTI, TIOCLINUX):
+            flt.add_rule(
+                seccomp.ERRNO(errno.EPERM),
+                "ioctl",
+                seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, request),
+            )
+        refused += 2
         for flag in CLONE_NAMESPACE_FLAGS:
             # clone's flags are its first argument on every architecture we run on
             flt.add_rule(
@@ -335,6 +360,58 @@ def install_seccomp() -> int:
             raise ConfinementError(exc.errno or errno.EINVAL, f"seccomp filter: {exc}") from exc
     _seccomp_installed = refused
     return refused
+
+
+# Landlock (no file system rules: only its scoping). A process in a Landlock domain
+# cannot ptrace, read /proc/<pid>/{mem,root,environ,...} of, signal, or connect to an
+# abstract UNIX socket of any process outside its domain or the domains nested in it:
+# a sandbox's siblings are out of its reach even through a program it executed (exec
+# makes a process dumpable again). Scoping needs Landlock ABI 6 (Linux 6.12); a domain
+# that handled file system rights would also forbid the mounts a clone makes.
+_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_RESTRICT_SELF = 444, 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 1
+_LANDLOCK_SCOPE_SIGNAL = 2
+LANDLOCK_MIN_ABI = 6
+
+
+class _LandlockRulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version of this kernel (0: none)."""
+    version = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
+    return max(version, 0)
+
+
+def enter_landlock_domain() -> str:
+    """Put this process (and all it forks or executes) in a new Landlock domain scoped
+    for signals and abstract UNIX sockets; returns what was achieved. Needs
+    no_new_privs. Raises ConfinementError naming the reason."""
+    abi = landlock_abi()
+    if abi < LANDLOCK_MIN_ABI:
+        raise ConfinementError(
+            errno.ENOSYS,
+            f"Landlock ABI {abi} < {LANDLOCK_MIN_ABI} (Linux 6.12): siblings can reach a "
+            "sandbox's executed helpers through /proc and signal it",
+        )
+    attr = _LandlockRulesetAttr(0, 0, _LANDLOCK_SCOPE_SIGNAL | _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET)
+    fd = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise ConfinementError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+    try:
+        if _libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
+            err = ctypes.get_errno()
+            raise ConfinementError(err, f"landlock_restrict_self: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    return f"scoped (ABI {abi}: ptrace, /proc, signals, abstract sockets)"
 
 
 def inherited() -> bool:

@@ -88,7 +88,9 @@ WRITABLE_VIEW = "/dev/.gym_fork-writable-"  # + the index in writable_paths
 READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
 # The devices of a sandbox's /dev (its own tmpfs): nothing that reaches hardware but
 # GPUs, which CUDA and EGL envs need.
-DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# No tty: /dev/tty is the controlling terminal's alias (the tree has none: its own
+# session), and a terminal is where TIOCSTI types into a user's shell.
+DEVICES = ("null", "zero", "full", "random", "urandom")
 GPU_DEVICE_PREFIXES = ("nvidia",)
 GPU_DEVICE_DIRS = ("dri",)
 # Raised above the controller's so that the kernel's OOM killer picks a sandbox first.
@@ -647,6 +649,11 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
     if not achieved.sandbox.get("no_new_privs"):
         achieved.missing["seccomp"] = "needs no_new_privs, which could not be set"
         return
+    try:
+        # Its own domain, nested in its source's for a clone: out of reach of siblings.
+        achieved.sandbox["landlock"] = confine.enter_landlock_domain()
+    except OSError as exc:
+        achieved.missing["landlock"] = str(exc)
     try:
         refused = confine.install_seccomp()
         achieved.sandbox["seccomp"] = f"on ({refused} syscalls refused)"

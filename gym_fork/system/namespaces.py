@@ -138,7 +138,8 @@ def new_tmpfs(size_bytes: int | None = None) -> int:
             )
             _check(0 if rc == 0 else -1, "fsconfig size")
         _check(_libc.syscall(_SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig")
-        mount_fd = _libc.syscall(_SYS_FSMOUNT, fs, 0, 0)
+        # nosuid, nodev: nothing in a private layer is a device or gains privileges.
+        mount_fd = _libc.syscall(_SYS_FSMOUNT, fs, 0, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         if mount_fd < 0:
             _check(-1, "fsmount")
         return mount_fd

@@ -362,3 +362,118 @@ def test_files_left_in_the_private_tmp_are_noted_once_at_close(monkeypatch):
     assert len(tmp_notes) == 1, notes
     assert "private_tmp=False" in tmp_notes[0] and "file(s)" in tmp_notes[0]
     assert not os.path.exists("/tmp/gym_fork_boundary_video.mp4")  # it never reached the host
+
+
+class Prober(FixedPathEnv):
+    """Attacks found by a review of the boundary, each tried from inside."""
+
+    def terminal(self):
+        import fcntl
+        import termios
+
+        out = {"dev_tty": os.path.exists("/dev/tty")}
+        master = os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+        try:
+            fcntl.ioctl(master, termios.TIOCSTI, b"x")
+            out["tiocsti"] = "allowed"
+        except OSError as exc:
+            out["tiocsti"] = errno_name(exc)
+        finally:
+            os.close(master)
+        out["own_session"] = os.getsid(0) != self._controller_sid
+        return out
+
+    def unshare(self, flags):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = os.fork()
+        if pid == 0:  # in a child: the sandbox itself keeps its namespaces
+            rc = libc.unshare(flags)
+            os._exit(0 if rc == 0 else ctypes.get_errno())
+        return errno_name_of(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+    def start_helper(self):
+        import subprocess
+
+        self._helper = subprocess.Popen(["sleep", "30"])  # exec: dumpable again
+        with open("/tmp/gym_fork_boundary_secret", "w") as f:
+            f.write("secret")
+        return self._helper.pid
+
+    def stop_helper(self):
+        self._helper.kill()
+        self._helper.wait()
+
+    def peek(self, pid):
+        out = {}
+        for what in ("root/tmp", "mem", "environ"):
+            try:
+                if what == "root/tmp":
+                    os.listdir(f"/proc/{pid}/{what}")
+                else:
+                    with open(f"/proc/{pid}/{what}", "rb") as f:
+                        f.read(1)
+                out[what] = "read"
+            except OSError as exc:
+                out[what] = errno_name(exc)
+        return out
+
+
+def errno_name(exc: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def errno_name_of(code: int) -> str:
+    import errno
+
+    return "ok" if code == 0 else errno.errorcode.get(code, str(code))
+
+
+def test_no_terminal_to_type_into():
+    """TIOCSTI on the controller's terminal would type commands into the user's shell:
+    the tree has a session of its own, no /dev/tty, and TIOCSTI is refused."""
+    envs = ForkVectorEnv([Prober], lineage_log=False)
+    try:
+        envs.set_attr("_controller_sid", os.getsid(0))
+        result = envs.call("terminal")[0]
+    finally:
+        envs.close()
+    assert result == {"dev_tty": False, "tiocsti": "EPERM", "own_session": True}, result
+
+
+def test_a_user_namespace_but_no_cgroup_pid_or_uts_namespace_of_its_own():
+    """A cgroup namespace would let a sandbox mount cgroupfs writable (and lift its own
+    limits); a clone needs only user, mount, IPC and network namespaces."""
+    newuser, newns, newcgroup, newpid = 0x10000000, 0x00020000, 0x02000000, 0x20000000
+    envs = ForkVectorEnv([Prober], lineage_log=False)
+    try:
+        assert envs.call("unshare", newuser | newns)[0] == "ok"
+        assert envs.call("unshare", newuser | newns | newcgroup)[0] == "EPERM"
+        assert envs.call("unshare", newuser | newpid)[0] == "EPERM"
+        assert envs.call("unshare", newns)[0] == "EPERM"
+    finally:
+        envs.close()
+
+
+def test_a_sibling_cannot_reach_a_sandbox_through_a_program_it_executed():
+    from gym_fork.system import confine
+
+    if confine.landlock_abi() < confine.LANDLOCK_MIN_ABI:
+        pytest.skip(f"Landlock ABI {confine.landlock_abi()} < 6 here: not scoped")
+    envs = ForkVectorEnv([Prober] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        helper = envs.call("start_helper")[0]
+        seen = envs.call("peek", helper)[1]
+        assert set(seen.values()) <= {"EACCES", "EPERM"}, seen
+        branch = envs.fork("b", indices=[0])  # nested in its source's domain
+        try:
+            helper_of_branch = branch.call("start_helper")[0]
+            from_source = envs.call("peek", helper_of_branch)[1]  # a sibling of the source
+            assert set(from_source.values()) <= {"EACCES", "EPERM"}, from_source
+            branch.call("stop_helper")
+        finally:
+            branch.close()
+        envs.call("stop_helper")
+    finally:
+        envs.close()

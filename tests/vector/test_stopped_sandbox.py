@@ -1,17 +1,19 @@
-"""A hostile env SIGSTOPs other sandboxes of its tree: the controller notices, says
-who, resumes them, and the vector env keeps working.
+"""A stopped sandbox: the controller notices, says who, resumes it, and the vector env
+keeps working.
 
-Every sandbox of a tree runs as uid 0 in one pid namespace, so an env can stop its
-siblings and the warm parent's idle sandboxes (not the warm parent: it is the
-namespace's init). A stopped process passes a pidfd liveness check; each test here is
-an attack from inside a sandbox that hung (or failed without naming anyone) before the
-controller read the waited-for sandbox's state. Every test is bounded by a watchdog:
-a hang fails it instead of hanging the suite.
+Every sandbox of a tree runs as uid 0 in one pid namespace. Where Landlock scopes signals
+(Linux 6.12+) a sandbox cannot stop its siblings or the idle sandboxes any more
+(:func:`test_a_sandbox_cannot_stop_its_siblings`); a sandbox can still stop itself (a
+buggy env, a debugger) and, without Landlock, its siblings. A stopped process passes a
+pidfd liveness check; each test here hung (or failed without naming anyone) before the
+controller read the waited-for sandbox's state. Every test is bounded by a watchdog: a
+hang fails it instead of hanging the suite.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import os
 import signal
@@ -95,12 +97,13 @@ def _keep_stopping(targets: list[int], times: int, seconds: float) -> None:
 
 
 class StopperEnv(gym.Env):
-    """A plain env that, told so, SIGSTOPs the other sandboxes of its tree in ``step``.
+    """A plain env that, told so, SIGSTOPs itself or the other sandboxes in ``step``.
 
-    ``mode``: "stop_once" stops each sibling once; "keep_stopping" stops each sibling
-    again whenever it runs (3 times each, from a thread); "stop_all" stops every sibling
-    at each step (idle sandboxes among them). ``slow``: seconds a step works (in small
-    sleeps, so that a resumed step still takes about that long)."""
+    ``mode``: "stop_once" stops itself once; "keep_stopping" stops itself again whenever
+    it runs (3 times, from a thread); "stop_siblings" tries to stop every other sandbox
+    of its tree (idle ones among them) and records what the kernel said in
+    ``refusals``. ``slow``: seconds a step works (in small sleeps, so that a resumed
+    step still takes about that long)."""
 
     observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = spaces.Discrete(2)
@@ -109,6 +112,7 @@ class StopperEnv(gym.Env):
         self.mode = None
         self.slow = 0.0
         self.stopped: list[int] = []
+        self.refusals: list[str] = []
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -118,14 +122,19 @@ class StopperEnv(gym.Env):
         mode = self.mode
         if mode in ("stop_once", "keep_stopping"):
             self.mode = None
-        targets = siblings() if mode else []
-        if mode in ("stop_once", "stop_all"):
+        targets = siblings() if mode == "stop_siblings" else [os.getpid()] if mode else []
+        if mode == "stop_siblings":
             for pid in targets:
-                with contextlib.suppress(ProcessLookupError):
+                try:
                     os.kill(pid, signal.SIGSTOP)
+                    self.stopped = [*self.stopped, pid]
+                except OSError as exc:
+                    self.refusals = [*self.refusals, errno.errorcode.get(exc.errno, "?")]
         elif mode == "keep_stopping":
             threading.Thread(target=_keep_stopping, args=(targets, 3, 30.0), daemon=True).start()
-        self.stopped = self.stopped + targets
+        if mode == "stop_once":
+            self.stopped = [*self.stopped, *targets]
+            os.kill(os.getpid(), signal.SIGSTOP)
         for _ in range(round(self.slow / 0.01)):
             time.sleep(0.01)
         return np.zeros(2, np.float32), 0.0, False, False, {}
@@ -162,7 +171,7 @@ def test_a_sibling_stopped_once_is_resumed_named_and_the_step_returns(monkeypatc
         envs.reset(seed=0)
         victim = envs.worker_pids[1]
         envs.set_attr("slow", [0.0, 0.3])
-        envs.set_attr("mode", ["stop_once", None])
+        envs.set_attr("mode", [None, "stop_once"])
         start = time.monotonic()
         with warnings.catch_warnings(record=True) as caught, watchdog(15):
             warnings.simplefilter("always")
@@ -190,7 +199,7 @@ def test_a_sibling_stopped_again_and_again_fails_the_step_naming_it_and_the_susp
         envs.reset(seed=0)
         pids = list(envs.worker_pids)
         envs.set_attr("slow", [0.0, 0.3])
-        envs.set_attr("mode", ["keep_stopping", None])
+        envs.set_attr("mode", [None, "keep_stopping"])
         start = time.monotonic()
         with warnings.catch_warnings(), watchdog(20):
             warnings.simplefilter("ignore")
@@ -218,7 +227,7 @@ def test_timeout_errors_name_the_tree_and_who_is_stopped(monkeypatch):
         envs.reset(seed=0)
         pids = list(envs.worker_pids)
         envs.set_attr("slow", [0.0, 0.3])
-        envs.set_attr("mode", ["stop_once", None])
+        envs.set_attr("mode", [None, "stop_once"])
         # An explicit wait's timeout (as AsyncVectorEnv: nothing is killed) ...
         envs.step_async(ACTIONS)
         with watchdog(15), pytest.raises(multiprocessing.TimeoutError) as info:
@@ -260,10 +269,10 @@ def test_a_stopped_idle_pool_is_skipped_and_resets_keep_working(monkeypatch):
             warnings.simplefilter("always")
             for seed in range(1, 5):
                 assert wait_until(lambda: len(idle_running()) == 2, 5.0)
-                envs.set_attr("mode", ["stop_all"])
-                envs.step(one)  # stops every idle sandbox of its warm parent
-                stopped = envs.get_attr("stopped")[0]
-                assert len(stopped) == 2, f"the hostile env stopped {stopped}, not the pool"
+                pool = idle_running()
+                for pid in pool:  # stopped from outside (a sandbox cannot, with Landlock)
+                    os.kill(pid, signal.SIGSTOP)
+                assert wait_until(lambda: not idle_running(), 2.0)
                 start = time.monotonic()
                 obs, _ = envs.reset(seed=seed)  # a fresh clone: not from the stopped pool
                 elapsed = time.monotonic() - start
@@ -277,3 +286,22 @@ def test_a_stopped_idle_pool_is_skipped_and_resets_keep_working(monkeypatch):
         idle_notes = [n for n in notes if "idle sandbox(es) stopped" in n]
         assert len(idle_notes) == 4, notes
         assert f"pid {envs.sandboxes.host.pid}" in idle_notes[0]
+
+
+def test_a_sandbox_cannot_stop_its_siblings(monkeypatch):
+    from gym_fork.system import confine
+
+    if confine.landlock_abi() < confine.LANDLOCK_MIN_ABI:
+        pytest.skip(f"Landlock ABI {confine.landlock_abi()} < 6: signals are not scoped here")
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "2")
+    with vector_env([stopper] * 2, envs_per_worker=1, lineage_log=False) as envs:
+        envs.reset(seed=0)
+        envs.reset(seed=1)  # a second spawn request: the idle pool fills
+        assert "scoped" in envs.isolation["landlock"]
+        envs.set_attr("mode", ["stop_siblings", None])
+        with watchdog(15):
+            envs.step(ACTIONS)
+            envs.step(ACTIONS)  # the sibling still answers
+        assert envs.get_attr("stopped")[0] == []
+        refusals = envs.get_attr("refusals")[0]
+        assert refusals and set(refusals) == {"EPERM"}, refusals

@@ -512,6 +512,8 @@ class ProcessHost(SharedByBranches):
             "read_only_host": bool(own.get("read_only_host")),
             "writable": list(own.get("writable", [])),
             "user_namespace": bool(own.get("user")),
+            # Not visible in /proc: as the sandbox set it up, before any env code.
+            "landlock": own.get("landlock", "off"),
         }
         no_new_privs = bool(own.get("no_new_privs"))
         measured = None if pid is None else measure(pid, self._writable_mounts())

@@ -387,6 +387,10 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
             # SIGTERM (not SIGKILL) so that the cleanup below still runs.
             linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
     config = cloudpickle.loads(message["isolation"])
+    # A session of its own: no sandbox of the tree has the controller's terminal as its
+    # controlling terminal (TIOCSTI on it would type commands into the user's shell).
+    with contextlib.suppress(OSError):
+        os.setsid()
     cgroups.sweep_stale()  # here, where /proc is still the host's
     tree = isolate_tree(config, os.getpid())
     if tree.tree.get("pid"):
