@@ -46,13 +46,12 @@ import contextlib
 import errno
 import os
 import resource
-import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from gym_fork.system import cgroups, confine, linux
+from gym_fork.system import cgroups, confine, linux, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -336,6 +335,15 @@ def enter_sandbox(
             copy_from = None  # nothing to copy: the source found it empty before the fork
         if namespaced:
             _enter_clone_namespaces(config, tree, achieved)
+            attempted = achieved.sandbox.get("user") and tree.tree.get("tmp_view")
+            if attempted and not achieved.sandbox.get("private_tmp"):
+                # Its /tmp is still its source's: no fallback into it, the fork fails.
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{achieved.missing.get('private_tmp', 'no private /tmp')} (the copy of "
+                    f"its source's /tmp and /dev/shm must fit in tmpfs_bytes="
+                    f"{config.layer_bytes()})",
+                )
     elif namespaced:
         _enter_sandbox_namespaces(config, tree, achieved, owner)
     else:
@@ -669,48 +677,18 @@ def _clones_get_namespaces(config: IsolationConfig, achieved: Isolation) -> bool
     )
 
 
-def _copy_tree(source: str | None, target: str, skip: list[str] = ()) -> None:
-    """Copy ``source``'s entries into ``target``, without ``skip``, scratch directories
-    and other mounts (a re-attached venv under /tmp is not copied)."""
+def _copy_tree(source: str | None, target: str) -> None:
+    """Copy ``source``'s entries into ``target`` (gym_fork/system/snapshot.py), without
+    scratch directories and other mounts (a re-attached venv under /tmp is not copied)."""
     if not source:
         return
     try:
         listed = os.listdir(source)  # usually empty (a fresh /dev/shm): nothing else to do
     except OSError:
         return  # missing or not a directory
-    if not listed:
-        return
-    device = os.stat(source).st_dev
-    names = [
-        n
-        for n in listed
-        if os.path.join(source, n) not in skip and not n.startswith("gym_fork-scratch-")
-    ]
-    for name in names:
-        src, dst = os.path.join(source, name), os.path.join(target, name)
-        try:
-            info = os.lstat(src)
-        except OSError:
-            continue
-        if info.st_dev != device or stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
-            continue  # another mount, or an overlay's whiteout: not copied
-        if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
-            continue
-        if os.path.isdir(src) and not os.path.islink(src):
-            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
-        else:
-            shutil.copy2(src, dst, follow_symlinks=False)
-
-
-def _special_files(directory: str, names: list[str]) -> set[str]:
-    """Devices (an overlay's whiteouts), fifos and sockets: names copytree leaves out."""
-    special = set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-                special.add(name)
-    return special
+    scratch = [n for n in listed if n.startswith("gym_fork-scratch-")]
+    if listed:
+        snapshot.copy_tree(source, target, skip=scratch)
 
 
 _RLIMITS = {

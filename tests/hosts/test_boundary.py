@@ -477,3 +477,58 @@ def test_a_sibling_cannot_reach_a_sandbox_through_a_program_it_executed():
         envs.call("stop_helper")
     finally:
         envs.close()
+
+
+class OddTmpFiles(FixedPathEnv):
+    """Leaves in /tmp what an env's own copy must survive: a sparse file bigger than
+    the clone's layer, hard links, a fifo, a 300-deep directory chain."""
+
+    def leave_odd_files(self):
+        with open("/tmp/gf_sparse", "wb") as f:
+            f.truncate(1 << 30)
+            f.seek(5 << 20)
+            f.write(b"data in the middle")
+        with open("/tmp/gf_linked", "w") as f:
+            f.write("one file")
+        os.link("/tmp/gf_linked", "/tmp/gf_linked_too")
+        os.mkfifo("/tmp/gf_fifo")
+        path = "/tmp/gf_deep"
+        for _ in range(300):
+            path = os.path.join(path, "d")
+        os.makedirs(path)
+        with open(os.path.join(path, "leaf"), "w") as f:
+            f.write("leaf")
+
+    def look(self):
+        sparse = os.stat("/tmp/gf_sparse")
+        with open("/tmp/gf_sparse", "rb") as f:
+            f.seek(5 << 20)
+            middle = f.read(18)
+        linked = os.stat("/tmp/gf_linked")
+        deep = "/tmp/gf_deep" + "/d" * 300 + "/leaf"
+        return {
+            "sparse": (sparse.st_size, sparse.st_blocks * 512 < 1 << 20, middle),
+            "links": (linked.st_nlink, linked.st_ino == os.stat("/tmp/gf_linked_too").st_ino),
+            "fifo": os.path.exists("/tmp/gf_fifo"),
+            "deep": open(deep).read() if os.path.exists(deep) else None,
+            "scratch": [n for n in os.listdir("/tmp") if n.startswith("gym_fork-scratch")],
+        }
+
+
+def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer():
+    envs = ForkVectorEnv([OddTmpFiles], tmpfs_bytes=64 << 20, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("leave_odd_files")
+        branch = envs.fork("b")
+        try:
+            seen = branch.call("look")[0]
+        finally:
+            branch.close()
+        assert seen["sparse"] == (1 << 30, True, b"data in the middle"), seen
+        assert seen["links"] == (2, True) and seen["fifo"] is False, seen
+        assert seen["deep"] == "leaf" and seen["scratch"] == [], seen
+        assert envs.call("look")[0]["scratch"] == []  # nothing fell back into the source's
+    finally:
+        envs.close()
+

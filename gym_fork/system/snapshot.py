@@ -1,0 +1,110 @@
+"""Copying a sandbox's private files into a new one (a clone's /tmp and /dev/shm).
+
+What it copies was written by an env, possibly a hostile one: the walk is iterative (no
+recursion limit for a deep tree), stays on one file system (other mounts are not its
+files), never follows a symlink (it is recreated as a link), skips devices, fifos and
+sockets (a fifo would block the copy), keeps holes (a 1 GiB sparse file costs what it
+holds, not 1 GiB of the clone's layer) and hard links (one file stays one file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterable
+
+_CHUNK = 1 << 20
+
+
+def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
+    """Copy the entries of directory ``source`` into the existing directory ``target``,
+    but the top-level names in ``skip``. Raises OSError (ENOSPC when ``target`` is full)."""
+    try:
+        device = os.lstat(source).st_dev
+    except OSError:
+        return  # missing: nothing to copy
+    skipped = set(skip)
+    links: dict[int, str] = {}  # inode -> the copy made of it
+    directories: list[tuple[str, os.stat_result]] = []  # their modes: set last
+    pending = [(source, target, True)]
+    while pending:
+        src_dir, dst_dir, top = pending.pop()
+        try:
+            entries = list(os.scandir(src_dir))
+        except OSError:
+            continue
+        for entry in entries:
+            if top and entry.name in skipped:
+                continue
+            src, dst = entry.path, os.path.join(dst_dir, entry.name)
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_dev != device:
+                continue  # another mount
+            mode = info.st_mode
+            if stat.S_ISDIR(mode):
+                os.makedirs(dst, exist_ok=True)
+                pending.append((src, dst, False))
+                directories.append((dst, info))
+            elif stat.S_ISLNK(mode):
+                with contextlib.suppress(FileExistsError):
+                    os.symlink(os.readlink(src), dst)
+            elif stat.S_ISREG(mode):
+                if info.st_nlink > 1 and info.st_ino in links:
+                    os.link(links[info.st_ino], dst)
+                    continue
+                _copy_file(src, dst, info)
+                if info.st_nlink > 1:
+                    links[info.st_ino] = dst
+            # devices (an overlay's whiteouts), fifos, sockets: not copied
+    for path, info in reversed(directories):  # a read-only directory is filled first
+        _copy_metadata(path, info)
+
+
+def _copy_file(src: str, dst: str, info: os.stat_result) -> None:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    src_fd = os.open(src, flags)
+    try:
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _copy_data(src_fd, dst_fd, info.st_size)
+            os.ftruncate(dst_fd, info.st_size)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    _copy_metadata(dst, info)
+
+
+def _copy_data(src_fd: int, dst_fd: int, size: int) -> None:
+    """The data segments of ``src_fd`` at the same offsets (holes stay holes)."""
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(src_fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return  # only a hole is left
+            raise
+        end = min(os.lseek(src_fd, start, os.SEEK_HOLE), size)
+        offset = start
+        while offset < end:
+            data = os.pread(src_fd, min(_CHUNK, end - offset), offset)
+            if not data:
+                return  # shrunk while being copied
+            os.pwrite(dst_fd, data, offset)
+            offset += len(data)
+        position = end
+
+
+def _copy_metadata(dst: str, info: os.stat_result) -> None:
+    with contextlib.suppress(OSError):
+        os.chmod(dst, stat.S_IMODE(info.st_mode), follow_symlinks=False)
+    with contextlib.suppress(OSError):
+        os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns), follow_symlinks=False)
+    with contextlib.suppress(OSError):  # an owner this namespace cannot map stays ours
+        os.chown(dst, info.st_uid, info.st_gid, follow_symlinks=False)
