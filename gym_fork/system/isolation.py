@@ -540,6 +540,18 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"
+        return
+    # What it inherited open or mapped from its source: files reopened on the copies,
+    # shared mappings (a fork cannot copy them) reported.
+    reopened, stuck = snapshot.reopen_copied_files()
+    if reopened:
+        achieved.sandbox["reopened_files"] = reopened
+    shared = snapshot.shared_mappings() + stuck
+    if shared:
+        achieved.missing["shared_with_source"] = (
+            f"{len(shared)} open file(s) or MAP_SHARED mapping(s) inherited from its source "
+            f"stay shared with it: {', '.join(sorted(set(shared))[:5])}"
+        )
 
 
 # Mounts a sandbox writes by design (besides ``writable_paths``).

@@ -108,3 +108,74 @@ def _copy_metadata(dst: str, info: os.stat_result) -> None:
         os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns), follow_symlinks=False)
     with contextlib.suppress(OSError):  # an owner this namespace cannot map stays ours
         os.chown(dst, info.st_uid, info.st_gid, follow_symlinks=False)
+
+
+PRIVATE_PREFIXES = ("/tmp/", "/dev/shm/")
+_KEPT_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
+
+
+def reopen_copied_files(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> tuple[int, list[str]]:
+    """In a clone whose /tmp and /dev/shm are now copies: point every fd it inherited on
+    a file there at the copy (same flags and offset), so that writing through it changes
+    the clone's file, not its source's. Returns (fds reopened, what could not be: files
+    already deleted, O_TMPFILE files) for the report."""
+    reopened, stuck = 0, []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            before = os.fstat(fd)
+        except OSError:
+            continue  # the listing's own fd, or closed meanwhile
+        if not stat.S_ISREG(before.st_mode) or not path.startswith(prefixes):
+            continue
+        if path.endswith(" (deleted)"):
+            stuck.append(path)
+            continue
+        try:
+            flags, position = _fd_flags_and_position(fd)
+            new = os.open(path, (flags & _KEPT_FLAGS) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            stuck.append(path)
+            continue
+        try:
+            after = os.fstat(new)
+            if (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino):
+                continue  # the same file (a read-only one of the host's, below the layers)
+            if position:
+                os.lseek(new, position, os.SEEK_SET)
+            os.dup2(new, fd, inheritable=not flags & os.O_CLOEXEC)
+            reopened += 1
+        finally:
+            os.close(new)
+    return reopened, stuck
+
+
+def _fd_flags_and_position(fd: int) -> tuple[int, int]:
+    flags = position = 0
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key == "flags":
+                flags = int(value.strip(), 8)
+            elif key == "pos":
+                position = int(value.strip())
+    return flags, position
+
+
+def shared_mappings(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> list[str]:
+    """The shared (MAP_SHARED) mappings this process inherited that its source still
+    has: of files in /tmp or /dev/shm, of memfds that are not gym_fork's own, and
+    anonymous shared memory. Not copied by a fork: reported."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[1][3:4] != "s":
+                continue
+            path = fields[5].strip() if len(fields) > 5 else ""
+            if path.startswith("/memfd:gym_fork-"):
+                continue  # the channel and slab: the clone's own since its fork
+            if path.startswith((*prefixes, "/memfd:", "/dev/zero", "/SYSV")) or not path:
+                found.append(path or "[anonymous shared]")
+    return found

@@ -532,3 +532,45 @@ def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer(
     finally:
         envs.close()
 
+
+class KeepsFilesOpen(FixedPathEnv):
+    """A log file kept open in /tmp (a sqlite db, a logger), and a /dev/shm mapping."""
+
+    def open_things(self):
+        import mmap
+
+        self._log = open("/tmp/gf_env_log.txt", "a+")  # noqa: SIM115
+        self._log.write("before the fork\n")
+        self._log.flush()
+        with open("/dev/shm/gf_mapped", "wb") as f:
+            f.write(b"\0" * 4096)
+        fd = os.open("/dev/shm/gf_mapped", os.O_RDWR)
+        self._map = mmap.mmap(fd, 4096)
+        os.close(fd)
+
+    def log(self, text):
+        self._log.write(text)
+        self._log.flush()
+        with open("/tmp/gf_env_log.txt") as f:
+            return f.read()
+
+
+def test_a_clone_writes_its_own_copy_of_a_file_its_source_held_open():
+    envs = ForkVectorEnv([KeepsFilesOpen], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("open_things")
+        branch = envs.fork("b")
+        try:
+            assert branch.call("log", "from the branch\n")[0] == (
+                "before the fork\nfrom the branch\n"
+            )
+            assert envs.call("log", "from the source\n")[0] == (
+                "before the fork\nfrom the source\n"
+            )
+            shared = branch.isolation["missing"]["shared_with_source"]
+            assert "/dev/shm/gf_mapped" in shared, shared
+        finally:
+            branch.close()
+    finally:
+        envs.close()
