@@ -27,6 +27,19 @@ class Measured:
     capabilities: int = -1  # CapEff as a bit mask, -1 if unreadable
     bounding: int = -1
     writable_mounts: list[str] | None = None  # None: mountinfo unreadable
+    links: dict[str, str] = field(default_factory=dict)  # namespace -> its link
+    layers: dict[str, str] = field(default_factory=dict)  # /tmp, /dev/shm -> "major:minor"
+
+    def shares_with(self, other: Measured) -> list[str]:
+        """What this process shares with ``other`` that a sandbox must have of its own:
+        mount, IPC and network namespaces, and the file systems of /tmp and /dev/shm."""
+        shared = [
+            n
+            for n in ("mnt", "ipc", "net")
+            if n in self.links and self.links.get(n) == other.links.get(n)
+        ]
+        shared += [p for p, dev in self.layers.items() if other.layers.get(p) == dev]
+        return shared
 
     def capabilities_text(self) -> str:
         if self.capabilities == 0 and self.bounding == 0:
@@ -51,7 +64,7 @@ def measure(pid: int, writable: frozenset[str] = frozenset()) -> Measured | None
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    result = Measured(namespaces={n: links[n] != mine[n] for n in NAMESPACES})
+    result = Measured(namespaces={n: links[n] != mine[n] for n in NAMESPACES}, links=links)
     result.no_new_privs = fields.get("NoNewPrivs", "0").strip() == "1"
     if fields.get("Seccomp", "0").strip() == "2":
         result.seccomp_filters = int(fields.get("Seccomp_filters", "1").strip() or 1)
@@ -61,10 +74,22 @@ def measure(pid: int, writable: frozenset[str] = frozenset()) -> Measured | None
     except ValueError:
         pass
     try:
-        result.writable_mounts = _writable_mounts(_read(f"/proc/{pid}/mountinfo"), writable)
+        mountinfo = _read(f"/proc/{pid}/mountinfo")
     except OSError:
-        result.writable_mounts = None
+        return result
+    result.writable_mounts = _writable_mounts(mountinfo, writable)
+    result.layers = _layers(mountinfo)
     return result
+
+
+def _layers(mountinfo: bytes) -> dict[str, str]:
+    """The file system (major:minor) mounted last on /tmp and on /dev/shm."""
+    found = {}
+    for line in mountinfo.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[4] in (b"/tmp", b"/dev/shm"):
+            found[parts[4].decode()] = parts[2].decode(errors="replace")
+    return found
 
 
 def _writable_mounts(mountinfo: bytes, writable: frozenset[str]) -> list[str]:

@@ -574,3 +574,31 @@ def test_a_clone_writes_its_own_copy_of_a_file_its_source_held_open():
             branch.close()
     finally:
         envs.close()
+
+
+class ForgesItsClones(FixedPathEnv):
+    def forge(self):
+        """Before a fork: keep the clone in this sandbox's namespaces, but let it claim
+        (as an honest clone would) every layer."""
+        from gym_fork.system import isolation
+
+        def fake(config, tree, achieved):
+            achieved.sandbox.update(user=True, mount=True, ipc=True, net=True, private_tmp=True)
+
+        isolation._enter_clone_namespaces = fake
+
+
+def test_a_source_cannot_make_its_branch_report_namespaces_it_does_not_have():
+    envs = ForkVectorEnv([ForgesItsClones], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("forge")
+        branch = envs.fork("b")
+        try:
+            report = branch.isolation
+            assert "shared_namespaces" in report["missing"], report
+            assert report["namespaces"]["mount"] is False and report["private_tmp"] is False
+        finally:
+            branch.close()
+    finally:
+        envs.close()

@@ -493,7 +493,7 @@ class ProcessHost(SharedByBranches):
         """
         report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
         tree = report.get("tree") or self.tree_isolation.get("tree", {})
-        own = report.get("sandbox", {})
+        own = dict(report.get("sandbox", {}))
         missing = dict(self.tree_isolation.get("missing", {}))
         missing.update(report.get("missing", {}))
         namespaces = {
@@ -517,6 +517,27 @@ class ProcessHost(SharedByBranches):
         }
         no_new_privs = bool(own.get("no_new_privs"))
         measured = None if pid is None else measure(pid, self._writable_mounts())
+        if measured is not None and self.config.isolation.namespaces:
+            # Its own, or only claimed? Compared with the warm parent and with every other
+            # sandbox of the tree (a source could have kept its clone in its namespaces).
+            for other_pid in self._neighbours(pid):
+                other = measure(other_pid)
+                shared = measured.shares_with(other) if other is not None else []
+                if self.config.isolation.network:
+                    shared = [s for s in shared if s != "net"]  # the host's, as asked
+                if not self.config.isolation.private_tmp:
+                    shared = [s for s in shared if not s.startswith("/")]
+                if shared:
+                    missing.setdefault(
+                        "shared_namespaces",
+                        f"shares {', '.join(shared)} with process {other_pid} of its tree",
+                    )
+                    for name in shared:
+                        key = {"mnt": "mount"}.get(name, name)
+                        if key in ("mount", "ipc", "net"):
+                            measured.namespaces["mnt" if key == "mount" else key] = False
+                        else:
+                            own["private_tmp"] = False
         if measured is not None:
             seen = measured.namespaces
             namespaces = {
@@ -549,6 +570,13 @@ class ProcessHost(SharedByBranches):
             missing=missing,
             details=details,
         )
+
+    def _neighbours(self, pid: int) -> list[int]:
+        """The warm parent and the other live sandboxes of this tree (host pids)."""
+        # The newest 16: a branch's source is among them when the branch is new, and
+        # the cost stays bounded in a tree search of thousands of sandboxes.
+        others = [h.pid for h in self.tree() if h.pid != pid][-16:]
+        return ([self.pid] if self.pid else []) + others
 
     def _writable_mounts(self) -> frozenset[str]:
         """Mount points a sandbox of this host may write besides its own layers."""
