@@ -4,6 +4,7 @@
 in sandboxes forked from a warm parent, talking over shared-memory rings.
 """
 
+from gym_fork._version import __version__
 from gym_fork.errors import (
     BadActionError,
     BadObservationError,
@@ -18,8 +19,6 @@ from gym_fork.errors import (
     SubEnvTimeout,
     TransportError,
 )
-
-from gym_fork._version import __version__
 
 __all__ = [
     "BadActionError",
@@ -36,6 +35,7 @@ __all__ = [
     "SubEnvTimeout",
     "TransportError",
     "__version__",
+    "SandboxLimits",
     "make_vec",
     "prestart",
 ]
@@ -60,4 +60,8 @@ def __getattr__(name: str):
         from gym_fork.make import make_vec
 
         return make_vec
+    if name == "SandboxLimits":
+        from gym_fork.system.isolation import SandboxLimits
+
+        return SandboxLimits
     raise AttributeError(f"module 'gym_fork' has no attribute {name!r}")
