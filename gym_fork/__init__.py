@@ -28,6 +28,7 @@ __all__ = [
     "GymForkError",
     "PeerGone",
     "PickleRefused",
+    "SandboxLimits",
     "SandboxStartError",
     "SubEnvCrashed",
     "SubEnvError",
@@ -35,7 +36,6 @@ __all__ = [
     "SubEnvTimeout",
     "TransportError",
     "__version__",
-    "SandboxLimits",
     "make_vec",
     "prestart",
 ]
