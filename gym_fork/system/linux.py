@@ -116,3 +116,23 @@ def raise_fd_limit(target: int = 65536) -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+_TIOCNOTTY = 0x5422
+
+
+def drop_controlling_terminal() -> None:
+    """Give up this process's controlling terminal (TIOCNOTTY) without leaving its
+    session; its children are born without one. Nothing to do without a terminal."""
+    import fcntl
+
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return  # no controlling terminal
+    try:
+        fcntl.ioctl(fd, _TIOCNOTTY)
+    except OSError as exc:
+        raise OSError(exc.errno, f"giving up the controlling terminal: {exc.strerror}") from exc
+    finally:
+        os.close(fd)

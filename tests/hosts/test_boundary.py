@@ -380,7 +380,8 @@ class Prober(FixedPathEnv):
             out["tiocsti"] = errno_name(exc)
         finally:
             os.close(master)
-        out["own_session"] = os.getsid(0) != self._controller_sid
+        with open("/proc/self/stat") as f:
+            out["tty_nr"] = int(f.read().rsplit(")", 1)[1].split()[4])  # its terminal
         return out
 
     def unshare(self, flags):
@@ -432,14 +433,13 @@ def errno_name_of(code: int) -> str:
 
 def test_no_terminal_to_type_into():
     """TIOCSTI on the controller's terminal would type commands into the user's shell:
-    the tree has a session of its own, no /dev/tty, and TIOCSTI is refused."""
+    the tree has no controlling terminal and no /dev/tty, and TIOCSTI is refused."""
     envs = ForkVectorEnv([Prober], lineage_log=False)
     try:
-        envs.set_attr("_controller_sid", os.getsid(0))
         result = envs.call("terminal")[0]
     finally:
         envs.close()
-    assert result == {"dev_tty": False, "tiocsti": "EPERM", "own_session": True}, result
+    assert result == {"dev_tty": False, "tiocsti": "EPERM", "tty_nr": 0}, result
 
 
 def test_a_user_namespace_but_no_cgroup_pid_or_uts_namespace_of_its_own():
