@@ -151,11 +151,17 @@ def capability_sets() -> dict[str, int]:
     return sets
 
 
+_last_cap: int | None = None  # read once (in the warm parent): every fork has it
+
+
 def _plan_capabilities() -> tuple[tuple[int, ...], bool]:
     """(the capabilities in this process's bounding set, whether any set is not empty)."""
+    global _last_cap
     sets = capability_sets()
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last = int(f.read())
+    if _last_cap is None:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            _last_cap = int(f.read())
+    last = _last_cap
     bounding = sets.get("CapBnd", 0)
     return tuple(cap for cap in range(last + 1) if bounding >> cap & 1), any(sets.values())
 
@@ -202,7 +208,10 @@ def drop_capabilities(keep: tuple[int, ...] = ()) -> None:
             return
         plans: tuple = (None,)
     elif _in_own_user_namespace:
-        plans = (None,)  # its capabilities are not the warm parent's: read them now
+        # A new user namespace gives every capability: all of them, up to the last the
+        # kernel knows (read in the warm parent), without reading this process's sets.
+        full = (tuple(range(_last_cap + 1)), True) if _last_cap is not None else None
+        plans = (full, None) if full is not None else (None,)
     else:
         # The warm parent's plan first (a fork has its capabilities), then, should any
         # be left, this process's own sets, read now.

@@ -162,6 +162,9 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
 # In a sandbox with a private /tmp overlay: an fd of the tmpfs layer holding only its
 # own writes (in its ``upper`` directory).
 _PRIVATE_WRITES_FD: int | None = None
+# In a sandbox forking clones: its fds on /tmp and /dev/shm files, those no clone can
+# reopen, and its shared mappings (snapshot.py), listed once before the fork.
+_CLONE_INHERITS: tuple[list, list[str], list[str]] = ([], [], [])
 # In a sandbox forking clones: the directory their TMPDIRs start from, when it was
 # empty just before the fork (each clone then skips listing it again).
 _EMPTY_CLONE_SOURCE: str | None = None
@@ -348,8 +351,6 @@ def enter_sandbox(
         _enter_sandbox_namespaces(config, tree, achieved, owner)
     else:
         achieved.missing["read_only_host"] = "no mount namespace: the host's files as they are"
-    if namespaced:
-        _report_read_only(config, achieved)
     if not config.private_tmp:
         pass  # the caller wants the host's /tmp: nothing private, nothing to copy
     elif not achieved.sandbox.get("private_tmp"):
@@ -411,6 +412,9 @@ def _enter_sandbox_namespaces(
     kept: list[tuple[str, int]] = []
     try:
         kept = _read_only_view(_writable_sources(config, tree))
+        # Claimed here; the controller measures it (gym_fork/system/measure.py).
+        achieved.sandbox["read_only_host"] = True
+        achieved.sandbox["writable"] = list(config.shared_writable())
     except OSError as exc:
         achieved.missing["read_only_host"] = f"read-only view of the host: {exc}"
     if tree.tree.get("private_tmp"):
@@ -541,45 +545,19 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
     except OSError as exc:
         achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"
         return
-    # What it inherited open or mapped from its source: files reopened on the copies,
-    # shared mappings (a fork cannot copy them) reported.
-    reopened, stuck = snapshot.reopen_copied_files()
+    # What it inherited open or mapped from its source (listed by the source before the
+    # fork): files reopened on the copies, shared mappings (a fork cannot copy them)
+    # reported.
+    files, stuck, shared = _CLONE_INHERITS
+    reopened, failed = snapshot.reopen_copied_files(files)
     if reopened:
         achieved.sandbox["reopened_files"] = reopened
-    shared = snapshot.shared_mappings() + stuck
+    shared = shared + stuck + failed
     if shared:
         achieved.missing["shared_with_source"] = (
             f"{len(shared)} open file(s) or MAP_SHARED mapping(s) inherited from its source "
             f"stay shared with it: {', '.join(sorted(set(shared))[:5])}"
         )
-
-
-# Mounts a sandbox writes by design (besides ``writable_paths``).
-_OWN_MOUNTS = ("/tmp", "/dev/shm", "/proc", "/dev/pts")
-
-
-def _report_read_only(config: IsolationConfig, achieved: Isolation) -> None:
-    """Measure, in /proc/self/mountinfo, which mounts this sandbox can write: the host
-    is reported read-only only if nothing but its own layers and ``writable_paths`` is."""
-    allowed = set(_OWN_MOUNTS) | set(config.shared_writable())
-    writable = []
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                fields = line.split()
-                point, options = fields[4].decode(), fields[5].split(b",")
-                if b"rw" in options and point not in allowed:
-                    writable.append(point)
-    except (OSError, IndexError, UnicodeDecodeError) as exc:
-        achieved.missing["read_only_host"] = f"mountinfo unreadable: {exc}"
-        return
-    if writable:
-        achieved.missing.setdefault(
-            "read_only_host", f"writable mounts of the host: {', '.join(sorted(writable))}"
-        )
-    else:
-        achieved.sandbox["read_only_host"] = True
-        achieved.sandbox["writable"] = list(config.shared_writable())
 
 
 def _write_text(path: str, text: str) -> None:
@@ -621,7 +599,9 @@ def before_forking_clones(copy_from: str | None, tree: Isolation) -> None:
     """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
     :func:`enter_sandbox`): list what their TMPDIRs start from once, here, instead of
     once in every clone. Only an empty listing is remembered."""
-    global _EMPTY_CLONE_SOURCE
+    global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
+    if _PRIVATE_WRITES_FD is not None:
+        _CLONE_INHERITS = (*snapshot.private_files(), snapshot.shared_mappings())
     source = _clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
