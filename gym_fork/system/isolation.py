@@ -600,13 +600,19 @@ def before_forking_clones(copy_from: str | None, tree: Isolation) -> None:
     :func:`enter_sandbox`): list what their TMPDIRs start from once, here, instead of
     once in every clone. Only an empty listing is remembered."""
     global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
-    if _PRIVATE_WRITES_FD is not None:
-        _CLONE_INHERITS = (*snapshot.private_files(), snapshot.shared_mappings())
     source = _clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:
         _EMPTY_CLONE_SOURCE = None  # each clone looks for itself
+    if _PRIVATE_WRITES_FD is not None:
+        files, stuck, other_memfds = snapshot.private_files()
+        # /proc/self/maps costs ~0.6 ms to read: only where a shared mapping of the env's
+        # can exist (a file in /tmp or /dev/shm, open or not, or a memfd of its own).
+        suspect = files or stuck or other_memfds or _EMPTY_CLONE_SOURCE is None
+        with contextlib.suppress(OSError):
+            suspect = suspect or bool(os.listdir("/dev/shm"))
+        _CLONE_INHERITS = (files, stuck, snapshot.shared_mappings() if suspect else [])
 
 
 def _new_scratch_dir(prefix: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from collections.abc import Iterable
 
@@ -114,25 +115,42 @@ PRIVATE_PREFIXES = ("/tmp/", "/dev/shm/")
 _KEPT_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
 
 
-def reopen_copied_files(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> tuple[int, list[str]]:
-    """In a clone whose /tmp and /dev/shm are now copies: point every fd it inherited on
-    a file there at the copy (same flags and offset), so that writing through it changes
-    the clone's file, not its source's. Returns (fds reopened, what could not be: files
-    already deleted, O_TMPFILE files) for the report."""
-    reopened, stuck = 0, []
+def private_files(
+    prefixes: tuple[str, ...] = PRIVATE_PREFIXES,
+) -> tuple[list, list[str], bool]:
+    """The fds of this process open on files in /tmp or /dev/shm, as [(fd, path)],
+    those no clone can reopen (deleted, O_TMPFILE), and whether it holds a memfd that is
+    not gym_fork's. Listed once by a source before it forks clones (they inherit the
+    same fds), not once in every clone."""
+    files, stuck, memfds = [], [], False
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
             path = os.readlink(f"/proc/self/fd/{fd}")
-            before = os.fstat(fd)
         except OSError:
             continue  # the listing's own fd, or closed meanwhile
-        if not stat.S_ISREG(before.st_mode) or not path.startswith(prefixes):
+        if path.startswith("/memfd:") and not path.startswith("/memfd:gym_fork-"):
+            memfds = True
+        if not path.startswith(prefixes):
             continue
         if path.endswith(" (deleted)"):
             stuck.append(path)
-            continue
+        else:
+            files.append((fd, path))
+    return files, stuck, memfds
+
+
+def reopen_copied_files(files: list) -> tuple[int, list[str]]:
+    """In a clone whose /tmp and /dev/shm are now copies: point each of ``files`` (from
+    :func:`private_files` in its source) at the copy, same flags and offset, so that
+    writing through it changes the clone's file, not its source's. Returns (fds
+    reopened, paths that could not be)."""
+    reopened, stuck = 0, []
+    for fd, path in files:
         try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                continue
             flags, position = _fd_flags_and_position(fd)
             new = os.open(path, (flags & _KEPT_FLAGS) | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -163,19 +181,21 @@ def _fd_flags_and_position(fd: int) -> tuple[int, int]:
     return flags, position
 
 
+# A line of /proc/self/maps whose mapping is shared ("s" in its permissions): its path.
+_SHARED_MAPPING = re.compile(rb"^[0-9a-f]+-[0-9a-f]+ [-r][-w][-x]s \S+ \S+ \d+ *(.*)$", re.M)
+
+
 def shared_mappings(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> list[str]:
-    """The shared (MAP_SHARED) mappings this process inherited that its source still
-    has: of files in /tmp or /dev/shm, of memfds that are not gym_fork's own, and
+    """The shared (MAP_SHARED) mappings of this process a clone would keep sharing with
+    it: of files in /tmp or /dev/shm, of memfds that are not gym_fork's own, and
     anonymous shared memory. Not copied by a fork: reported."""
+    with open("/proc/self/maps", "rb") as maps:
+        paths = _SHARED_MAPPING.findall(maps.read())
     found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 5 or fields[1][3:4] != "s":
-                continue
-            path = fields[5].strip() if len(fields) > 5 else ""
-            if path.startswith("/memfd:gym_fork-"):
-                continue  # the channel and slab: the clone's own since its fork
-            if path.startswith((*prefixes, "/memfd:", "/dev/zero", "/SYSV")) or not path:
-                found.append(path or "[anonymous shared]")
+    for raw in paths:
+        path = raw.decode(errors="replace").strip()
+        if path.startswith("/memfd:gym_fork-"):
+            continue  # the channel and slab: a clone gets its own
+        if not path or path.startswith((*prefixes, "/memfd:", "/dev/zero", "/SYSV")):
+            found.append(path or "[anonymous shared]")
     return found
