@@ -392,10 +392,18 @@ class _LandlockRulesetAttr(ctypes.Structure):
     ]
 
 
+_landlock_abi: int | None = None  # asked once: the kernel's answer does not change
+
+
 def landlock_abi() -> int:
     """The Landlock ABI version of this kernel (0: none)."""
-    version = _libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
-    return max(version, 0)
+    global _landlock_abi
+    if _landlock_abi is None:
+        version = _libc.syscall(
+            _SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION
+        )
+        _landlock_abi = max(version, 0)
+    return _landlock_abi
 
 
 def enter_landlock_domain() -> str:

@@ -35,7 +35,7 @@ from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
-from gym_fork.system.measure import measure
+from gym_fork.system.measure import Measured, measure
 from gym_fork.system.scratch import sweep
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import recv_message, send_message
@@ -268,6 +268,7 @@ class ProcessHost(SharedByBranches):
             weakref.WeakValueDictionary()
         )
         self._handle_ids = itertools.count()
+        self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         try:
             message = init_message(config)
             while True:
@@ -521,7 +522,7 @@ class ProcessHost(SharedByBranches):
             # Its own, or only claimed? Compared with the warm parent and with every other
             # sandbox of the tree (a source could have kept its clone in its namespaces).
             for other_pid in self._neighbours(pid):
-                other = measure(other_pid)
+                other = self._measured_once(other_pid)
                 shared = measured.shares_with(other) if other is not None else []
                 if self.config.isolation.network:
                     shared = [s for s in shared if s != "net"]  # the host's, as asked
@@ -570,6 +571,17 @@ class ProcessHost(SharedByBranches):
             missing=missing,
             details=details,
         )
+
+    def _measured_once(self, pid: int) -> Measured | None:
+        """What the kernel said about ``pid`` when first asked (namespaces and layers are
+        a sandbox's from its set-up on): each fork measures its new sandbox only."""
+        cache = self._measure_cache
+        if pid not in cache:
+            live = {h.pid for h in self.tree()} | {self.pid}
+            for gone in [p for p in cache if p not in live]:
+                del cache[gone]  # a dead sandbox's pid may be reused
+            cache[pid] = measure(pid)
+        return cache[pid]
 
     def _neighbours(self, pid: int) -> list[int]:
         """The warm parent and the other live sandboxes of this tree (host pids)."""
