@@ -57,7 +57,11 @@ class ForkVectorEnv(VectorEnv):
     - After a ``*_wait`` timeout the late replies are discarded, so the next call returns
       its own results.
 
-    Extra keyword arguments:
+    Besides AsyncVectorEnv's arguments (``env_fns``, ``shared_memory``, ``copy``,
+    ``context``, ``daemon``, ``worker``, ``observation_mode``, ``autoreset_mode``,
+    ``max_concurrency``), these keyword-only ones:
+
+    Keyword Args:
         envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
             one sandbox per sub-env while there are more CPU cores than sub-envs, else
             sub-envs spread evenly over one worker per core (fewer context switches;
