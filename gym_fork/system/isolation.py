@@ -422,9 +422,7 @@ def _enter_sandbox_namespaces(
             size = config.layer_bytes()
             # Kept open: clones of this sandbox start their /tmp from its writes.
             _remember_private_writes(ns.overlay_private_layer("/tmp", size))
-            mount_fd = ns.new_tmpfs(size)
-            _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
-            ns.attach_mount(mount_fd, "/dev/shm")
+            _own_dev_shm(size)
             achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
         except OSError as exc:
             achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
@@ -446,6 +444,13 @@ def _own_network(config: IsolationConfig, clone: bool = False) -> int:
     if not clone and confine.landlock_abi() >= confine.LANDLOCK_MIN_ABI:
         return 0
     return ns.CLONE_NEWNET
+
+
+def _own_dev_shm(size: int) -> None:
+    """Cover /dev/shm with a tmpfs of its own holding a copy of what it shows now."""
+    mount_fd = ns.new_tmpfs(size)
+    _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
+    ns.attach_mount(mount_fd, "/dev/shm")
 
 
 def _writable_sources(config: IsolationConfig, tree: Isolation) -> list[tuple[str, str]]:
@@ -553,9 +558,7 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
         if source is not None:
             os.close(source)  # the source's layer: not this clone's to write
         _PRIVATE_WRITES_FD = own
-        mount_fd = ns.new_tmpfs(size)
-        _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
-        ns.attach_mount(mount_fd, "/dev/shm")
+        _own_dev_shm(size)
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"

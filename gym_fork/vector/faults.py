@@ -117,8 +117,8 @@ def _suspects(suspects: list[tuple[WorkerHandle, bool]]) -> str:
         )
     return (
         "the suspects are its own sub-envs (a process can stop itself) and the other "
-        "sandboxes of its tree (one warm parent: one pid namespace, one uid, so each can "
-        "signal the others): "
+        "sandboxes of its tree (one warm parent: one pid namespace, one uid; without "
+        "Landlock's signal scoping each can signal the others): "
         + ", ".join(who(w, mine) for w, mine in suspects[:MAX_NAMED])
         + (f" and {len(suspects) - MAX_NAMED} more" if len(suspects) > MAX_NAMED else "")
     )
@@ -138,7 +138,8 @@ def stopped_note(
         f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} (pid "
         f"{worker.pid}) was {_STATES.get(state, 'stopped')} (state {state}) for over "
         f"{STOPPED_FOR:g} s {when}; it was sent SIGCONT. A stop comes from a signal "
-        f"sent from inside its tree and the kernel does not say who sent it: "
+        f"(the sandbox's own, or another sandbox's of its tree where Landlock does not "
+        f"scope signals) and the kernel does not say who sent it: "
         f"{_suspects(suspects)}. Found stopped {stops} time(s) in this wait; at "
         f"{MAX_STOPS} it is killed (SubEnvStopped)."
     )
