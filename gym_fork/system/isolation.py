@@ -338,15 +338,6 @@ def enter_sandbox(
             copy_from = None  # nothing to copy: the source found it empty before the fork
         if namespaced:
             _enter_clone_namespaces(config, tree, achieved)
-            attempted = achieved.sandbox.get("user") and tree.tree.get("tmp_view")
-            if attempted and not achieved.sandbox.get("private_tmp"):
-                # Its /tmp is still its source's: no fallback into it, the fork fails.
-                raise OSError(
-                    errno.ENOSPC,
-                    f"{achieved.missing.get('private_tmp', 'no private /tmp')} (the copy of "
-                    f"its source's /tmp and /dev/shm must fit in tmpfs_bytes="
-                    f"{config.layer_bytes()})",
-                )
     elif namespaced:
         _enter_sandbox_namespaces(config, tree, achieved, owner)
     else:
