@@ -281,9 +281,11 @@ def errors_exception(
         if isinstance(record, dict):
             # AsyncVectorEnv's three-part log (error, traceback, last line), except that
             # its "Worker-N - Shutting it down" would be false here: nothing is shut down.
+            after = "no sandbox serves it" if building else "its sandbox keeps serving"
             logger.error(
-                f"sub-env {record.get('index')} raised {_text(record.get('type'), 200)}: "
-                f"{_text(record.get('message'), 2000)} (its sandbox keeps serving)"
+                f"sub-env {record.get('index')} raised {_text(record.get('type'), 200)}"
+                f"{' while being built' if building else ''}: "
+                f"{_text(record.get('message'), 2000)} ({after})"
             )
             logger.error(_text(record.get("traceback")))
     logger.error("Raising the last exception back to the main process.")
