@@ -18,16 +18,18 @@ Two levels, chosen so that the fork path stays fast:
   env) are adopted by the warm parent, and when it dies the kernel kills every process
   of the tree.
 - The tree has its own minimal **/dev** (a tmpfs with null, zero, full, random, urandom,
-  tty, a new devpts and GPU devices if any): no disk, no kernel memory, no host terminal.
+  a new devpts and GPU devices if any): no disk, no kernel memory, no host terminal
+  (gym_fork/system/host_view.py, as the read-only view below).
 - Each sandbox sees the host **read-only** (every mount of its namespace made read-only,
   recursively, before the first line of env code; /proc stays writable for the process's
   own files but /proc/sys, /proc/sysrq-trigger, /proc/irq, /proc/bus and /proc/fs are
   read-only, /sys with everything): it writes only its /tmp, its /dev/shm and the
-  ``writable_paths`` it is given. Its own network namespace (``network=False``) keeps
-  abstract UNIX sockets from its siblings too, and its oom_score_adj makes the kernel's
-  OOM killer pick it before the controller.
+  ``writable_paths`` it is given. Its oom_score_adj makes the kernel's OOM killer pick it
+  before the controller. Without Landlock's scoping it also gets a network namespace of
+  its own (abstract UNIX sockets; see :func:`_own_network`).
 - Each sandbox is then **confined** (gym_fork/system/confine.py): no capabilities (but
-  CAP_SETFCAP, see there), not dumpable, and a seccomp filter. A **clone** (``fork()`` of
+  CAP_SETFCAP, see there), not dumpable, a Landlock domain of its own, and a seccomp
+  filter. A **clone** (``fork()`` of
   a running sandbox) inherits that confinement and so cannot make namespaces in the
   host's user namespace; it makes a user namespace of its own (uid 0 mapped to itself)
   and in it its own mount, IPC and network namespaces: its /tmp is a new overlay on the
@@ -51,7 +53,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from gym_fork.system import cgroups, confine, linux, snapshot
+from gym_fork.system import cgroups, confine, host_view, linux, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -78,20 +80,6 @@ class SandboxLimits:
 # this big unless the caller says otherwise (tmpfs pages belong to no process: without a
 # size, a sandbox filling /tmp could take half the RAM).
 DEFAULT_TMPFS_BYTES = 1 << 30
-# The tree's /tmp, seen read-only by its sandboxes at this path of the tree's own /dev:
-# the lower layer a clone builds its own /tmp on (the sandbox's /tmp hides it).
-TREE_TMP_VIEW = "/dev/.gym_fork-tree-tmp"
-WRITABLE_VIEW = "/dev/.gym_fork-writable-"  # + the index in writable_paths
-# Where the kernel takes settings or commands: read-only in every sandbox, as container
-# runtimes make them (runc's readonlyPaths).
-READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
-# The devices of a sandbox's /dev (its own tmpfs): nothing that reaches hardware but
-# GPUs, which CUDA and EGL envs need.
-# No tty: /dev/tty is the controlling terminal's alias (the tree has none: its own
-# session), and a terminal is where TIOCSTI types into a user's shell.
-DEVICES = ("null", "zero", "full", "random", "urandom")
-GPU_DEVICE_PREFIXES = ("nvidia",)
-GPU_DEVICE_DIRS = ("dri",)
 # Raised above the controller's so that the kernel's OOM killer picks a sandbox first.
 SANDBOX_OOM_SCORE_ADJ = 1000
 TREE_OOM_SCORE_ADJ = 500
@@ -217,12 +205,15 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
     with contextlib.suppress(OSError):  # raising it needs no privilege
         _write_text("/proc/self/oom_score_adj", str(TREE_OOM_SCORE_ADJ))
     try:
-        _minimal_dev(config)
+        host_view.minimal_dev(keep_host_shm=not config.private_tmp)
         achieved.tree["minimal_dev"] = True
     except OSError as exc:
         achieved.missing["minimal_dev"] = f"the tree's own /dev: {exc}"
     if achieved.tree.get("minimal_dev"):
-        _writable_views(config, achieved)
+        try:
+            achieved.tree["writable_views"] = host_view.bind_writable_views(config.writable_paths)
+        except OSError as exc:
+            achieved.missing["writable_paths"] = str(exc)
     if not config.private_tmp:
         achieved.missing["private_tmp"] = (
             "private_tmp=False (the caller's choice): /tmp and /dev/shm are the host's"
@@ -240,69 +231,9 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
         return achieved
     if achieved.tree.get("minimal_dev"):
         with contextlib.suppress(OSError):
-            os.mkdir(TREE_TMP_VIEW, 0o700)
-            ns.mount("/tmp", TREE_TMP_VIEW, None, ns.MS_BIND)
+            host_view.bind_tree_tmp_view()
             achieved.tree["tmp_view"] = True
     return achieved
-
-
-def _writable_views(config: IsolationConfig, achieved: Isolation) -> None:
-    """Bind each of ``writable_paths`` at a path of the tree's /dev, before the tree's
-    /tmp overlay hides the host's /tmp: where sandboxes take their writable copies."""
-    for i, path in enumerate(config.writable_paths):
-        try:
-            os.mkdir(f"{WRITABLE_VIEW}{i}", 0o700)
-            ns.mount(path, f"{WRITABLE_VIEW}{i}", None, ns.MS_BIND | ns.MS_REC)
-        except OSError as exc:
-            achieved.missing["writable_paths"] = f"{path}: {exc}"
-            return
-        achieved.tree["writable_views"] = i + 1
-
-
-def _minimal_dev(config: IsolationConfig) -> None:
-    """Cover /dev with a tmpfs holding only the devices an env needs (bound from the
-    host's), a devpts of its own and, with ``private_tmp=False``, the host's /dev/shm."""
-    keep = [n for n in DEVICES if os.path.exists(f"/dev/{n}")]
-    with contextlib.suppress(OSError):
-        names = os.listdir("/dev")
-        keep += [n for n in names if n.startswith(GPU_DEVICE_PREFIXES)]
-        keep += [n for n in names if n in GPU_DEVICE_DIRS]
-    if not config.private_tmp:
-        keep.append("shm")
-    clones = {}
-    try:
-        for name in keep:
-            clones[name] = ns.clone_mount(f"/dev/{name}", recursive=True)
-        ns.mount("tmpfs", "/dev", "tmpfs", ns.MS_NOSUID | ns.MS_NOEXEC, "mode=755,size=1m")
-        for name, fd in list(clones.items()):
-            path = f"/dev/{name}"
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(path, 0o755)
-            else:
-                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o666))
-            del clones[name]
-            ns.attach_mount(fd, path)
-    finally:
-        for fd in clones.values():
-            os.close(fd)
-    if not os.path.exists("/dev/shm"):
-        os.mkdir("/dev/shm", 0o1777)
-    os.mkdir("/dev/pts", 0o755)
-    ns.mount(
-        "devpts",
-        "/dev/pts",
-        "devpts",
-        ns.MS_NOSUID | ns.MS_NOEXEC,
-        "newinstance,ptmxmode=0666,mode=620",
-    )
-    for name, target in (
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ):
-        os.symlink(target, f"/dev/{name}")
 
 
 def become_tree_init(achieved: Isolation) -> None:
@@ -402,7 +333,10 @@ def _enter_sandbox_namespaces(
     _join_cgroups(config, achieved, owner)  # cgroupfs is read-only from here on
     kept: list[tuple[str, int]] = []
     try:
-        kept = _read_only_view(_writable_sources(config, tree))
+        sources = host_view.writable_sources(
+            not config.private_tmp, config.writable_paths, tree.tree.get("writable_views", 0)
+        )
+        kept = host_view.read_only_view(sources)
         # Claimed here; the controller measures it (gym_fork/system/measure.py).
         achieved.sandbox["read_only_host"] = True
         achieved.sandbox["writable"] = list(config.shared_writable())
@@ -413,12 +347,12 @@ def _enter_sandbox_namespaces(
             size = config.layer_bytes()
             # Kept open: clones of this sandbox start their /tmp from its writes.
             _remember_private_writes(ns.overlay_private_layer("/tmp", size))
-            _own_dev_shm(size)
+            host_view.own_dev_shm(size)
             achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
         except OSError as exc:
             achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
     try:
-        _attach_writable(kept)
+        host_view.attach_writable(kept)
     except OSError as exc:
         achieved.missing["writable_paths"] = f"a writable directory could not be bound: {exc}"
 
@@ -435,71 +369,6 @@ def _own_network(config: IsolationConfig, clone: bool = False) -> int:
     if not clone and confine.landlock_abi() >= confine.LANDLOCK_MIN_ABI:
         return 0
     return ns.CLONE_NEWNET
-
-
-def _own_dev_shm(size: int) -> None:
-    """Cover /dev/shm with a tmpfs of its own holding a copy of what it shows now."""
-    mount_fd = ns.new_tmpfs(size)
-    _copy_tree("/dev/shm", f"/proc/self/fd/{mount_fd}")
-    ns.attach_mount(mount_fd, "/dev/shm")
-
-
-def _writable_sources(config: IsolationConfig, tree: Isolation) -> list[tuple[str, str]]:
-    """(where it goes, where to copy it from) for each writable host directory: the
-    tree's views of ``writable_paths`` (its /tmp overlay and /dev hide the host's)."""
-    shared = [] if config.private_tmp else [("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")]
-    views = tree.tree.get("writable_views", 0)
-    for i, path in enumerate(config.writable_paths):
-        shared.append((path, f"{WRITABLE_VIEW}{i}" if i < views else path))
-    return shared
-
-
-def _read_only_view(sources: list[tuple[str, str]]) -> list[tuple[str, int]]:
-    """Make every mount of this (new) mount namespace read-only but /proc (except the
-    kernel's settings in :data:`READ_ONLY_PROC`); returns detached writable copies of
-    ``sources`` for :func:`_attach_writable` (taken before, so still writable)."""
-    kept: list[tuple[str, int]] = []
-    try:
-        for target, source in sources:
-            kept.append((target, ns.clone_mount(source, recursive=True)))
-        ns.set_mount_attributes("/", recursive=True, set_=ns.MOUNT_ATTR_RDONLY)
-        # A process writes some of its own /proc files (oom_score_adj, a user
-        # namespace's uid_map): /proc itself stays writable, the kernel's knobs do not.
-        ns.set_mount_attributes("/proc", recursive=False, clear=ns.MOUNT_ATTR_RDONLY)
-        for path in READ_ONLY_PROC:
-            if os.path.exists(path):
-                ns.bind_read_only(path)
-    except BaseException:
-        _close_all(kept)
-        raise
-    return kept
-
-
-def _attach_writable(kept: list[tuple[str, int]]) -> None:
-    """Put the writable copies in place (nosuid, nodev): last, over the sandbox's own
-    /tmp too, so a writable directory under /tmp is the host's."""
-    try:
-        while kept:
-            target, fd = kept.pop(0)
-            try:
-                ns.set_mount_attributes(
-                    fd,
-                    recursive=True,
-                    set_=ns.MOUNT_ATTR_NOSUID | ns.MOUNT_ATTR_NODEV,
-                    clear=ns.MOUNT_ATTR_RDONLY,
-                )
-            except BaseException:
-                os.close(fd)
-                raise
-            ns.attach_mount(fd, target)
-    finally:
-        _close_all(kept)
-
-
-def _close_all(kept: list[tuple[str, int]]) -> None:
-    for _, fd in kept:
-        os.close(fd)
-    kept.clear()
 
 
 def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: Isolation) -> None:
@@ -544,12 +413,12 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
                 _copy_tree(writes, upper)
 
         own = ns.overlay_private_layer(
-            "/tmp", size, lower=TREE_TMP_VIEW, fill=fill, in_user_namespace=True
+            "/tmp", size, lower=host_view.TREE_TMP_VIEW, fill=fill, in_user_namespace=True
         )
         if source is not None:
             os.close(source)  # the source's layer: not this clone's to write
         _PRIVATE_WRITES_FD = own
-        _own_dev_shm(size)
+        host_view.own_dev_shm(size)
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"
