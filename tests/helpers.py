@@ -161,6 +161,18 @@ def descendants(pid: int | None = None) -> set[int]:
 
 
 def _descendants(pid: int) -> set[int]:
+    children = children_by_parent()
+    out: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.add(child)
+            stack.append(child)
+    return out
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live (not zombie) process of this /proc, by its parent's pid."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -173,13 +185,7 @@ def _descendants(pid: int) -> set[int]:
         if fields[0] == "Z":
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
-    out: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.add(child)
-            stack.append(child)
-    return out
+    return children
 
 
 SANDBOX_MARKER = "GYM_FORK_SANDBOX"

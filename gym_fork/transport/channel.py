@@ -307,6 +307,8 @@ class Channel:
                 return unpack(data)
             self.refused = []
             return unpack(data, allow_pickle=False, refused=self.refused)
+        except DecodeTooBig as exc:  # a bound met while decoding (tuple keys): too_big
+            raise DecodeTooBig(f"{self.inbox.name!r}: {exc}", worker=self.inbox.name) from None
         except Exception as exc:
             raise TransportError(
                 f"{self.inbox.name!r}: a record does not decode ({type(exc).__name__}: {exc})",

@@ -124,6 +124,19 @@ def _suspects(suspects: list[tuple[WorkerHandle, bool]]) -> str:
     )
 
 
+def _stopped(worker: WorkerHandle, state: str, branch: str) -> str:
+    return (
+        f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} (pid "
+        f"{worker.pid}) was {_STATES.get(state, 'stopped')} (state {state})"
+    )
+
+
+_WHO_STOPS = (
+    "A stop comes from a signal (the sandbox's own, or another sandbox's of its tree "
+    "where Landlock does not scope signals) and the kernel does not say who sent it"
+)
+
+
 def stopped_note(
     worker: WorkerHandle,
     state: str,
@@ -135,12 +148,9 @@ def stopped_note(
     """The warning for a sandbox found stopped while the controller waited (it was
     sent SIGCONT)."""
     return (
-        f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} (pid "
-        f"{worker.pid}) was {_STATES.get(state, 'stopped')} (state {state}) for over "
-        f"{STOPPED_FOR:g} s {when}; it was sent SIGCONT. A stop comes from a signal "
-        f"(the sandbox's own, or another sandbox's of its tree where Landlock does not "
-        f"scope signals) and the kernel does not say who sent it: "
-        f"{_suspects(suspects)}. Found stopped {stops} time(s) in this wait; at "
+        f"{_stopped(worker, state, branch)} for over {STOPPED_FOR:g} s {when}; it was "
+        f"sent SIGCONT. {_WHO_STOPS}: {_suspects(suspects)}. Found stopped {stops} "
+        f"time(s) in this wait; at "
         f"{MAX_STOPS} it is killed (SubEnvStopped)."
     )
 
@@ -155,12 +165,9 @@ def stopped_error(
 ) -> SubEnvStopped:
     """A sandbox stopped again and again in one wait: the caller has killed it."""
     return SubEnvStopped(
-        f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} (pid "
-        f"{worker.pid}) was found {_STATES.get(state, 'stopped')} (state {state}) "
-        f"{stops} times {when} (resumed with SIGCONT after each of the first "
-        f"{stops - 1}) and was killed. A stop comes from a signal sent from inside its "
-        f"tree and the kernel does not say who sent it: {_suspects(suspects)}. Call "
-        "reset() to replace it with a fresh sandbox.",
+        f"{_stopped(worker, state, branch)} {stops} times {when} (resumed with SIGCONT "
+        f"after each of the first {stops - 1}) and was killed. {_WHO_STOPS}: "
+        f"{_suspects(suspects)}. Call reset() to replace it with a fresh sandbox.",
         indices=worker.indices,
         pid=worker.pid,
         exitcode=-signal.SIGKILL,

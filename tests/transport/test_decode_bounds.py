@@ -299,3 +299,12 @@ def test_an_untrusted_record_of_colliding_tuple_keys_is_refused_quickly():
     assert len(codec.unpack(few, allow_pickle=False, refused=[])["info"]) == 100
     values = codec.pack({"info": [(i, -i) for i in range(3 * codec.MAX_TUPLE_KEYS)]})
     assert len(codec.unpack(values, allow_pickle=False, refused=[])["info"]) == 6144
+
+
+def test_too_many_tuple_keys_reach_the_controller_as_too_big():
+    from gym_fork.transport import codec
+
+    record = codec.pack({"info": {(i, -i): 0 for i in range(codec.MAX_TUPLE_KEYS + 1)}})
+    result, _ = receive(record, trusted=False)
+    assert isinstance(result, codec.DecodeTooBig), result
+    assert result.reason == "too_big" and "tuple dict keys" in str(result)

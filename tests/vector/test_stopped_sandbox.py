@@ -27,7 +27,7 @@ import pytest
 from gymnasium import spaces
 
 from gym_fork import ForkVectorEnv, SubEnvCrashed
-from tests.helpers import _descendants, alive, wait_until
+from tests.helpers import _descendants, alive, children_by_parent, wait_until
 
 pytestmark = pytest.mark.process_only
 
@@ -65,19 +65,8 @@ def _state(pid: int) -> str:
 def siblings() -> list[int]:
     """Inside a sandbox: the other live children of its warm parent (the sandboxes of
     the tree and the idle ones), found in the tree's own /proc."""
-    me, parent = os.getpid(), os.getppid()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    me = os.getpid()
+    return [pid for pid in children_by_parent().get(os.getppid(), []) if pid != me]
 
 
 def _keep_stopping(targets: list[int], times: int, seconds: float) -> None:
