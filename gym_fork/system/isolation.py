@@ -291,7 +291,16 @@ def enter_sandbox(
         achieved.sandbox["no_new_privs"] = True
     except OSError as exc:
         achieved.missing["no_new_privs"] = str(exc)
-    if not inherited and not achieved.sandbox.get("mount"):
+    if inherited:
+        # Its rlimits are its source's (set again: the report says so); cgroupfs is
+        # read-only in its view, so it stays in its source's cgroups.
+        achieved.limits = apply_limits(config.limits, achieved.missing)
+        if config.limits.memory_bytes is not None or config.limits.processes is not None:
+            achieved.missing["cgroups"] = (
+                "a clone stays in its source's memory and pids cgroups (cgroupfs is "
+                "read-only in its view): the cgroup limits bind source and clones together"
+            )
+    elif not achieved.sandbox.get("mount"):
         # (with a mount namespace: applied before the read-only view)
         achieved.limits = apply_limits(config.limits, achieved.missing)
         _join_cgroups(config, achieved, owner)

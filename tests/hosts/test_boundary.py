@@ -604,3 +604,22 @@ def test_a_source_cannot_make_its_branch_report_namespaces_it_does_not_have():
             branch.close()
     finally:
         envs.close()
+
+
+def test_a_branch_reports_its_limits_and_that_it_shares_its_source_cgroups():
+    from gym_fork import SandboxLimits
+
+    envs = ForkVectorEnv(
+        [FixedPathEnv], limits=SandboxLimits(memory_bytes=1 << 30), lineage_log=False
+    )
+    try:
+        envs.reset(seed=0)
+        branch = envs.fork("b")
+        try:
+            report = branch.isolation
+            assert report["limits"]["memory_bytes"] == 1 << 30, report
+            assert "source's memory and pids cgroups" in report["missing"]["cgroups"]
+        finally:
+            branch.close()
+    finally:
+        envs.close()
