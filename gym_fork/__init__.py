@@ -36,6 +36,7 @@ __all__ = [
     "SubEnvTimeout",
     "TransportError",
     "__version__",
+    "autotune",
     "make_vec",
     "prestart",
 ]
@@ -56,6 +57,10 @@ def __getattr__(name: str):
         from gym_fork.vector.fork_vector_env import ForkVectorEnv
 
         return ForkVectorEnv
+    if name == "autotune":
+        from gym_fork.vector.autotune import autotune
+
+        return autotune
     if name == "make_vec":
         from gym_fork.make import make_vec
 

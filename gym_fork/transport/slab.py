@@ -462,19 +462,6 @@ class SlabSet:
         """A slab for ``count`` sub-envs on the memfd ``fd`` (not part of the set yet)."""
         return self._slab(count, fd)
 
-    def splice(self, position: int, slabs: list[Slab]) -> None:
-        """The worker at ``position`` became ``len(slabs)`` workers, in sub-env order:
-        their slabs replace its one (which is closed)."""
-        old = self.slabs[position]
-        if sum(s.num_envs for s in slabs) != old.num_envs:
-            raise ValueError("splice: the new slabs must hold the same sub-envs")
-        self.slabs[position : position + 1] = slabs
-        self.bounds = [0]
-        for slab in self.slabs:
-            self.bounds.append(self.bounds[-1] + slab.num_envs)
-        old.close()
-        self._bind_parts()
-
     def where(self, index: int) -> tuple[Slab, int]:
         """The slab and row of sub-env ``index``."""
         for k, slab in enumerate(self.slabs):

@@ -46,20 +46,17 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) or 1
 
 
-def auto_envs_per_worker(num_envs: int, adaptive: bool = True) -> int:
+def auto_envs_per_worker(num_envs: int, reset_mode: str = "in_place") -> int:
     """Sub-envs per worker for ``envs_per_worker="auto"``.
 
-    More sub-envs than cores: one worker per core, sub-envs spread evenly. Otherwise one
-    per worker, except on a 2-core machine with 2 sub-envs (where it was measured): the
-    controller needs a core of its own while it waits, so they start in one worker and
-    a vector env whose steps prove slow splits them into one sandbox each
-    (``split_when_slow``, gym_fork/vector/adaptive.py): cheap envs keep a hand-over less
-    per step. Not ``adaptive`` (a host that cannot split cheaply): one per worker.
+    More sub-envs than cores: one worker per core, sub-envs spread evenly; otherwise one
+    per worker. ``reset_mode="clone"`` needs one per worker. The grouping never changes
+    while the env runs: ``gym_fork.autotune`` measures the alternatives for a given env
+    and recommends one.
     """
-    cores = available_cores()
-    if adaptive and cores == 2 and num_envs == 2:
-        return 2
-    return max(1, math.ceil(num_envs / cores))
+    if reset_mode == "clone":
+        return 1
+    return max(1, math.ceil(num_envs / available_cores()))
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,6 @@ class VectorConfig:
     trusted: bool = False
     prepare: PrepareRecipe | None = None
     origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from
-    split_when_slow: bool = False  # "auto" grouped sub-envs a core each would have had
 
     @classmethod
     def from_arguments(
@@ -136,12 +132,8 @@ class VectorConfig:
                     f"`max_concurrency` must be a positive or None, got {max_concurrency}."
                 )
         host = host or os.environ.get("GYM_FORK_HOST") or "process"
-        split_when_slow = False
         if envs_per_worker == "auto":
-            # Only the process host splits grouped sub-envs (a VM's live fork is slow).
-            adaptive = host == "process" and reset_mode != "clone"
-            envs_per_worker = auto_envs_per_worker(num_envs, adaptive)
-            split_when_slow = envs_per_worker > 1 and num_envs <= available_cores()
+            envs_per_worker = auto_envs_per_worker(num_envs, reset_mode)
         if (
             isinstance(envs_per_worker, bool)
             or not isinstance(envs_per_worker, int)
@@ -194,7 +186,6 @@ class VectorConfig:
             ),
             prepare=prepare,
             origins=tuple(range(num_envs)) if prepare is None else (0,) * num_envs,
-            split_when_slow=split_when_slow,
             **plain,
         )
 
@@ -204,7 +195,6 @@ class VectorConfig:
             self,
             num_envs=len(sources),
             envs_per_worker=1,
-            split_when_slow=False,
             origins=tuple(self.origins[i] for i in sources),
         )
 

@@ -32,7 +32,6 @@ from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
 from . import provenance
-from .adaptive import SplitProbe
 from .branching import clone_sandboxes, plan_fork
 from .config import VectorConfig, auto_envs_per_worker
 from .faults import WaitTimeout
@@ -65,9 +64,9 @@ class ForkVectorEnv(VectorEnv):
         envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
             one sandbox per sub-env while there are more CPU cores than sub-envs, else
             sub-envs spread evenly over one worker per core (fewer context switches;
-            worker-mates share a process); on a 2-core machine 2 sub-envs start in one
-            worker and get a sandbox each once their steps prove slow
-            (gym_fork/vector/adaptive.py). ``1`` forces one sandbox per sub-env.
+            worker-mates share a process). The grouping is fixed for the env's life:
+            :func:`gym_fork.autotune` measures the choices on an env and recommends one.
+            ``1`` forces one sandbox per sub-env.
             Branches made by ``fork`` are always one sub-env per sandbox.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
         network: give sandboxes the host's network (default False: an empty network
@@ -237,7 +236,6 @@ class ForkVectorEnv(VectorEnv):
         self.autoreset_mode = config.autoreset_mode
         self.max_concurrency = config.max_concurrency
         self.envs_per_worker = config.envs_per_worker
-        self._split_probe = SplitProbe(config.split_when_slow)
         self.timeout = config.timeout
         self.ring_bytes = config.ring_bytes
         self.check_actions = config.check_actions
@@ -434,15 +432,11 @@ class ForkVectorEnv(VectorEnv):
         # liveness syscall per worker per step would cost more than the step itself.
         # A worker still serving an abandoned step would read the slab's actions late:
         # until it has caught up, actions travel inside the requests (pool.py).
-        if self._split_probe.active:
-            self._split_probe.step_sending()
         if not pool.behind() and self._actions.write_slab(actions):
             pool.send_same(P.STEP, None)
         else:
             per_env = self._actions.per_sub_env(actions)
             pool.send_each(P.STEP, [[per_env[i] for i in w.indices] for w in pool.workers])
-        if self._split_probe.active:
-            self._split_probe.step_sent()
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None):
@@ -453,8 +447,6 @@ class ForkVectorEnv(VectorEnv):
                 "Calling `step_wait` without any prior call to `step_async`.",
                 AsyncState.WAITING_STEP.value,
             )
-        if self._split_probe.active:
-            self._split_probe.step_waiting()
         replies = self._collect(timeout, P.STEP, "step_wait")
         infos: dict[str, Any] = {}
         if self._obs_in_slab:
@@ -479,27 +471,8 @@ class ForkVectorEnv(VectorEnv):
             )
         rewards, terminations, truncations = self.sandboxes.slabs.step_columns()
         observations = self._observations_out()
-        if self._split_probe.active and self._split_probe.step_done():
-            self._split_workers()
         return observations, rewards, terminations, truncations, infos
 
-    def _split_workers(self) -> None:
-        """Slow steps: every grouped sub-env gets a sandbox of its own (adaptive.py)."""
-        try:
-            added = self.sandboxes.split_workers()
-        except Exception as exc:
-            # A worker whose split failed keeps its sub-envs (its clones are gone); one
-            # that died meanwhile is reported by the next call, as any crash.
-            logger.warn(f"ForkVectorEnv: splitting grouped sub-envs failed ({exc!r})")
-            return
-        if added:
-            self.envs_per_worker = 1
-            if self.sandboxes.lineage is not None:
-                self.sandboxes.lineage.tree.event(
-                    self.sandboxes.lineage.branch_id, "split_slow_workers", added=added
-                )
-
-    # -- call / attributes ----------------------------------------------------------
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call a method (or read an attribute) of every sub-env; returns a tuple."""
         self.call_async(name, *args, **kwargs)

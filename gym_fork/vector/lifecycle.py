@@ -12,7 +12,6 @@ import contextlib
 import os
 import time
 import weakref
-from dataclasses import replace
 from typing import Any
 
 import cloudpickle
@@ -22,7 +21,7 @@ from gymnasium import logger
 from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
-from gym_fork.hosts.base import CloneOrder, Host, WorkerHandle, WorkerSpec, make_host
+from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec, make_host
 from gym_fork.lineage import Lineage
 from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
@@ -40,7 +39,6 @@ _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
 
 # The longest a split (fork of a grouped worker and its clones' HELLOs) may take when
 # the vector env has no timeout of its own.
-SPLIT_TIMEOUT = 60.0
 
 
 @atexit.register
@@ -261,66 +259,6 @@ class Sandboxes:
                 old_pids=[w.pid for w in old],
                 new_pids=[w.pid for w in fresh],
             )
-
-    # -- split ----------------------------------------------------------------------
-    def split_workers(self) -> int:
-        """Give every sub-env of a grouped worker a sandbox of its own, by forking the
-        worker (each clone continues one of its sub-envs exactly: same state, same RNG,
-        same pending autoreset, same last results). Returns how many sandboxes were
-        added. A worker that cannot be forked (dead, or holding a CUDA context), or whose
-        clones fail to start, stays as it was; only the process host splits (a live fork
-        of a VM costs more than it would save)."""
-        if self.host.kind != "process":
-            return 0
-        added = 0
-        # From the last position: splitting one worker shifts the positions after it.
-        for position in reversed(range(len(self.pool.workers))):
-            worker = self.pool.workers[position]
-            if len(worker.indices) > 1 and self._forkable(worker):
-                added += self._split(position, worker)
-        if all(len(w.indices) == 1 for w in self.pool.workers):
-            self.config = replace(self.config, envs_per_worker=1, split_when_slow=False)
-        return added
-
-    def _forkable(self, worker: WorkerHandle) -> bool:
-        if not worker.alive():
-            return False
-        return not cuda_evidence(worker.pid, gpu_probe())
-
-    def _split(self, position: int, worker: WorkerHandle) -> int:
-        slabs = [self.slabs.new_slab(1, new_slab_memfd()) for _ in worker.indices]
-        orders = [CloneOrder(self.spec([i]), i, i, None) for i in worker.indices]
-        # Bounded even without a vector env timeout: this runs inside a step_wait.
-        timeout = self.config.timeout or SPLIT_TIMEOUT
-
-        def ask(op: int, arg: Any) -> Any:
-            return self.pool.ask(worker, op, arg, timeout)
-
-        clones: list[WorkerHandle] = []
-        try:
-            fds = [slab.region.fd for slab in slabs]
-            clones = self.host.fork(
-                worker, orders, self.config.num_envs, fds, self.config.ring_bytes, ask
-            )
-            self.receive_hellos(clones, timeout)
-        except BaseException:
-            for clone in clones:  # the source keeps serving its sub-envs
-                clone.kill()
-                clone.release()
-            for slab in slabs:
-                slab.close()
-            raise
-        # Each clone's row starts as its sub-env's row was: a masked reset or a worker
-        # that does not rewrite a row (obs kept for a sub-env not reset) reads it.
-        old = self.slabs.slabs[position]
-        for row, slab in enumerate(slabs):
-            slab.copy_row(0, old, row)
-        self.slabs.splice(position, slabs)
-        self.pool.workers[position : position + 1] = clones
-        worker.kill()
-        worker.watch.wait_dead(1.0)
-        worker.release()
-        return len(clones) - 1
 
     def _ensure_warm_parent(self) -> Host | None:
         """Health check: a dead warm parent is replaced by a cold launch of the env_fns
