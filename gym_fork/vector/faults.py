@@ -6,6 +6,7 @@ code, its last stderr lines) and raise what these functions build.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import time
@@ -24,6 +25,14 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
+
+# Every sub-env's traceback goes here at DEBUG; the user sees one line per distinct error.
+log = logging.getLogger("gym_fork.vector")
+
+# Characters of an error's message in its one-line summary.
+SUMMARY_TEXT = 300
+# Other distinct errors of one call whose tracebacks the raised exception's note quotes.
+MAX_NOTED = 4
 
 # Lines of a dead sandbox's stderr quoted in SubEnvCrashed.
 STDERR_LINES = 10
@@ -276,27 +285,113 @@ def _record_index(record: Any) -> int:
     return index if type(index) is int else -1
 
 
+def index_ranges(indices: list[int]) -> str:
+    """Sub-env indices as short ranges, in order: ``[9, 7, 0, 1, 2, 3, 8]`` -> ``"0-3, 7-9"``,
+    ``[4, 5]`` -> ``"4, 5"``."""
+    parts: list[str] = []
+    ordered = sorted(i for i in set(indices) if i >= 0)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            first, last = ordered[start], ordered[i - 1]
+            if last - first >= 2:
+                parts.append(f"{first}-{last}")
+            else:
+                parts.extend(str(i) for i in range(first, last + 1))
+            start = i
+    if any(i < 0 for i in indices):  # a record that named no valid index
+        parts.append("?")
+    return ", ".join(parts)
+
+
+def _line(text: str, limit: int = SUMMARY_TEXT) -> str:
+    """The first line of a sandbox's text, shortened, without control characters (it is
+    printed to the user's terminal and a sandbox's text is not trusted)."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    first = "".join(c if c.isprintable() else repr(c)[1:-1] for c in first)
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def _summary(key: tuple[str, str], indices: list[int], building: bool) -> str:
+    what = f"sub-env{'s' if len(indices) > 1 else ''} {index_ranges(indices)}"
+    return f"{key[0]}: {key[1]} ({what}{', while being built' if building else ''}"
+
+
 def errors_exception(
     records: list[Any], *, building: bool = False, trusted: bool = True
 ) -> BaseException:
     """One exception for a call's error records: the one of the highest sub-env index
-    (as AsyncVectorEnv raises the last), every record logged with its traceback."""
+    (as AsyncVectorEnv raises the last). One error line is logged per distinct error
+    (type and message) naming its sub-envs; every traceback is on the exception
+    (``gym_fork_tracebacks``: index -> text; ``gym_fork_errors``: index -> exception)
+    and logged at DEBUG by the ``gym_fork`` logger."""
     ordered = sorted(records, key=_record_index)
+    errors: dict[int, BaseException] = {}
+    tracebacks: dict[int, str] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     exc: BaseException | None = None
     for record in ordered:
         exc = worker_exception(record, building=building, trusted=trusted)
+        index = _record_index(record)
         if isinstance(record, dict):
-            # AsyncVectorEnv's three-part log (error, traceback, last line), except that
-            # its "Worker-N - Shutting it down" would be false here: nothing is shut down.
-            after = "no sandbox serves it" if building else "its sandbox keeps serving"
-            logger.error(
-                f"sub-env {record.get('index')} raised {_text(record.get('type'), 200)}"
-                f"{' while being built' if building else ''}: "
-                f"{_text(record.get('message'), 2000)} ({after})"
+            key = (_line(_text(record.get("type"), 200), 200), _line(_text(record.get("message"))))
+            trace = _text(record.get("traceback"))
+        else:
+            key, trace = (type(exc).__name__, _line(str(exc))), ""
+        groups.setdefault(key, []).append(index)
+        errors[index], tracebacks[index] = exc, trace
+        log.debug(
+            "sub-env %s raised %s%s: %s; its traceback:\n%s",
+            index,
+            key[0],
+            " while being built" if building else "",
+            key[1],
+            trace,
+        )
+    if exc is None:
+        raise ValueError("errors_exception needs at least one error record")
+    raised = _record_index(ordered[-1])
+    for key, indices in groups.items():
+        line = _summary(key, indices, building)
+        if raised in indices and len(ordered) > 1:
+            line += (
+                f"; sub-env {raised}'s is raised, with every traceback as its "
+                "gym_fork_tracebacks; logger 'gym_fork' logs them at DEBUG"
             )
-            logger.error(_text(record.get("traceback")))
-    logger.error("Raising the last exception back to the main process.")
+        logger.error(line + ")")
+    if len(ordered) > 1:
+        exc.add_note(_call_note(groups, raised, tracebacks, building))
+    exc.gym_fork_errors = errors
+    exc.gym_fork_tracebacks = tracebacks
     return exc
+
+
+def _call_note(
+    groups: dict[tuple[str, str], list[int]],
+    raised: int,
+    tracebacks: dict[int, str],
+    building: bool,
+) -> str:
+    """The raised exception's note on the other failures of the same call: which
+    sub-envs raised the same error, and each other distinct error with its first
+    sub-env's traceback (the first MAX_NOTED of them)."""
+    same = next(indices for indices in groups.values() if raised in indices)
+    parts = [
+        f"[gym_fork] {sum(map(len, groups.values()))} sub-envs failed in this call; every "
+        "traceback: exc.gym_fork_tracebacks[index]"
+    ]
+    if len(same) > 1:
+        parts.append(f"the same error in sub-envs {index_ranges(same)}")
+    others = [(key, indices) for key, indices in groups.items() if indices is not same]
+    for key, indices in others[:MAX_NOTED]:
+        parts.append(
+            f"{_summary(key, indices, building)}); sub-env {indices[0]}'s traceback:\n"
+            + tracebacks[indices[0]].rstrip()
+        )
+    if len(others) > MAX_NOTED:
+        rest = [i for _key, indices in others[MAX_NOTED:] for i in indices]
+        parts.append(f"and {len(others) - MAX_NOTED} more errors (sub-envs {index_ranges(rest)})")
+    return "\n".join(parts)
 
 
 def crashed(worker: WorkerHandle, exit_code: int | None, when: str, branch: str) -> SubEnvCrashed:

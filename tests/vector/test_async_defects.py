@@ -43,7 +43,7 @@ def test_subenv_exception_keeps_the_vector_env_usable_and_carries_the_traceback(
         assert "in step" in notes and 'raise ValueError("flaky step exploded")' in notes
         assert info.value.gym_fork_index == 1
         texts = [str(w.message) for w in caught]
-        assert any("sub-env 1 raised ValueError: flaky step exploded" in t for t in texts)
+        assert sum("ValueError: flaky step exploded (sub-env 1)" in t for t in texts) == 1
         # AsyncVectorEnv would now have None pipes; here the next calls just work.
         obs, *_ = envs.step(np.array([0, 0, 0]))
         assert obs.shape == (3, 2)

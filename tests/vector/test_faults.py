@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -196,3 +198,99 @@ def test_interpreter_exit_without_close_cleans_up():
         return all(not os.path.exists(f"/proc/{p}") for p in pids)
 
     assert wait_until(gone, 2.0)
+
+
+class RaisingEnv(SpaceEnv):
+    """Raises at step: ValueError for action 1, KeyError for action 2."""
+
+    def __init__(self):
+        super().__init__(spaces.Box(-1, 1, (2,)), spaces.Discrete(3), max_len=50, trunc_prob=0)
+
+    def step(self, action):
+        if action == 1:
+            raise ValueError("bad action")
+        if action == 2:
+            raise KeyError("other")
+        return super().step(action)
+
+
+def _failing_step(actions, caplog=None):
+    """Step 16 RaisingEnvs with ``actions``: the raised exception and the error lines
+    logged (every warning recorded, none deduplicated)."""
+    envs = ForkVectorEnv([RaisingEnv] * 16, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(Exception) as info:
+                envs.step(np.array(actions))
+        # The vector env keeps working after it.
+        obs, *_ = envs.step(np.zeros(16, dtype=np.int64))
+        assert obs.shape == (16, 2)
+    finally:
+        envs.close()
+    return info.value, [str(w.message) for w in caught if "ERROR" in str(w.message)]
+
+
+def test_one_error_in_16_sub_envs_is_one_line_naming_them():
+    exc, lines = _failing_step([1] * 16)
+    assert len(lines) == 1, lines
+    assert "ValueError: bad action (sub-envs 0-15;" in lines[0]
+    assert "Traceback" not in lines[0]
+    assert isinstance(exc, ValueError) and exc.gym_fork_index == 15
+    # Every sub-env's traceback is still on the exception.
+    assert sorted(exc.gym_fork_tracebacks) == list(range(16))
+    for index, trace in exc.gym_fork_tracebacks.items():
+        assert "in step" in trace and "ValueError: bad action" in trace, index
+    assert sorted(exc.gym_fork_errors) == list(range(16))
+    notes = "\n".join(exc.__notes__)
+    assert "the same error in sub-envs 0-15" in notes and "Traceback" in notes
+
+
+def test_two_distinct_errors_are_two_lines_and_both_tracebacks_are_on_the_exception():
+    actions = [1] * 16
+    actions[4:7] = [2, 2, 2]
+    actions[12] = 2
+    exc, lines = _failing_step(actions)
+    assert len(lines) == 2, lines
+    assert "ValueError: bad action (sub-envs 0-3, 7-11, 13-15;" in lines[0]
+    assert "KeyError: 'other' (sub-envs 4-6, 12)" in lines[1]
+    assert isinstance(exc, ValueError) and exc.gym_fork_index == 15
+    assert "KeyError: 'other'" in exc.gym_fork_tracebacks[12]
+    # The other distinct error's traceback is quoted in a note of the raised one.
+    notes = "\n".join(exc.__notes__)
+    assert "KeyError: 'other' (sub-envs 4-6, 12); sub-env 4's traceback:" in notes
+    assert "raise KeyError" in notes
+
+
+def test_every_traceback_is_logged_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger="gym_fork")
+    exc, _lines = _failing_step([1] * 8 + [2] * 8)
+    records = [
+        r for r in caplog.records if r.name.startswith("gym_fork") and "traceback" in r.getMessage()
+    ]
+    assert len(records) == 16
+    for index, record in enumerate(records):
+        message = record.getMessage()
+        assert record.levelno == logging.DEBUG
+        assert message.startswith(f"sub-env {index} raised")
+        assert ("raise ValueError" if index < 8 else "raise KeyError") in message
+    assert isinstance(exc, KeyError)
+
+
+def test_a_sandbox_cannot_put_control_characters_into_the_summary_line():
+    from gym_fork.vector.faults import errors_exception
+
+    record = {
+        "index": 3,
+        "type": "ValueError",
+        "message": "a\x1b[2Jb\nsecond line",
+        "traceback": "t",
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exc = errors_exception([record], trusted=False)
+    (line,) = [str(w.message) for w in caught]
+    assert "\x1b[2J" not in line and "second line" not in line
+    assert "ValueError: a\\x1b[2Jb (sub-env 3)" in line
+    assert isinstance(exc, ValueError)
