@@ -1,0 +1,312 @@
+"""Tree search end to end: a fixed-budget beam search, as nodes expanded per second.
+
+    .venv/bin/python benchmarks/tree_search.py [--depth 50] [--width 4] [--rounds 3]
+                                               [--envs pong,cstate] [--microvm] [--json OUT]
+
+The same beam search (keep the ``width`` best action sequences at every depth, expand each
+with every action of a fixed set, ``depth`` levels) done four ways:
+
+  fork     gym_fork: the beam is one ForkVectorEnv; each level is ONE ``fork`` of the
+           kept sub-envs (``copies`` = actions, one round trip) and one batched step
+  replay   what users do without a clone: for each child, ``reset(seed)`` one env and
+           replay the child's action prefix (its cost grows with the depth)
+  native   ALE's own ``cloneState``/``restoreState`` (the floor; Pong only)
+  microvm  ``fork`` on the microVM host (``--microvm``; TCG here, so slow)
+
+Envs: ALE Pong (sticky actions off, so every method sees the same deterministic game) and
+``CStateEnv``, an env whose state lives in malloc'd C memory (no deepcopy, no pickle, no
+clone of its own) with a ~100 us step. Every method must find the same best sequence
+and return; the script exits non-zero if one does not.
+
+Nodes per second count the search alone: building the env (or the warm parent) and its
+first reset are the set-up, reported apart (replay's resets are part of its search).
+Each (env, method) measurement runs in a fresh interpreter, the methods interleaved
+over ``rounds``; medians with min-max. Memory: peak summed PSS of the search's
+processes (for fork: the controller, the warm parent tree and every sandbox), sampled
+once per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+PONG_ACTIONS = (0, 2, 3)  # NOOP, UP, DOWN: the moves that matter
+CSTATE_ACTIONS = (0, 1, 2)
+SEED = 7
+
+
+class CStateEnv(gym.Env):
+    """A noisy 1-D walk in C memory whose step busy-works ``step_us`` microseconds."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, step_us: float = 100.0, horizon: int = 10_000):
+        self.observation_space = spaces.Box(-1e6, 1e6, (2,), np.float64)
+        self.action_space = spaces.Discrete(3)
+        self.step_s, self.horizon = step_us * 1e-6, horizon
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        self._cell = ctypes.cast(libc.malloc(16), ctypes.POINTER(ctypes.c_int64))
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self._cell[0], self._cell[1]], dtype=np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._cell[0] = int(self.np_random.integers(-3, 4))
+        self._cell[1] = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        end = time.perf_counter() + self.step_s
+        while time.perf_counter() < end:
+            pass
+        self._cell[0] += int(action) - 1 + int(self.np_random.choice([-1, 0, 0, 1]))
+        self._cell[1] += 1
+        reward = -abs(int(self._cell[0]) - 20) / 10.0
+        return self._obs(), reward, False, bool(self._cell[1] >= self.horizon), {}
+
+
+def make_pong() -> gym.Env:
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make("ALE/Pong-v5", repeat_action_probability=0.0)
+
+
+ENVS: dict[str, tuple[Callable[[], gym.Env], tuple[int, ...]]] = {
+    "pong": (make_pong, PONG_ACTIONS),
+    "cstate": (CStateEnv, CSTATE_ACTIONS),
+}
+
+
+def _rank(children: list[tuple[float, tuple[int, ...], Any]], width: int) -> list:
+    """The ``width`` best children: highest return, then the smallest action sequence (so
+    every method keeps the same nodes on ties)."""
+    return sorted(children, key=lambda c: (-c[0], c[1]))[:width]
+
+
+def search_fork(make, actions, depth, width, host="process", sample=None) -> tuple:
+    """Beam search where each level is one fork of the kept sub-envs."""
+    from gym_fork import ForkVectorEnv
+
+    env = ForkVectorEnv.from_parent(make, 1, host=host, lineage_log=False)
+    env.reset(seed=SEED)
+    started = time.perf_counter()
+    beam: list[tuple[float, tuple[int, ...], int]] = [(0.0, (), 0)]
+    expanded = 0
+    try:
+        for level in range(depth):
+            branch = env.fork(f"level-{level}", indices=[n[2] for n in beam], copies=len(actions))
+            step = np.array(actions * len(beam), dtype=np.int64)  # source order, then copy
+            _, rewards, _, _, _ = branch.step(step)
+            expanded += len(step)
+            children = [
+                (
+                    beam[j // len(actions)][0] + float(rewards[j]),
+                    (*beam[j // len(actions)][1], actions[j % len(actions)]),
+                    j,
+                )
+                for j in range(len(step))
+            ]
+            env.close()
+            env, beam = branch, _rank(children, width)
+            if sample:
+                sample()
+        return beam[0][0], beam[0][1], expanded, started
+    finally:
+        env.close()
+
+
+def search_replay(make, actions, depth, width, sample=None) -> tuple:
+    """Beam search that rebuilds each child by reset(seed) + replaying its prefix."""
+    env = make()
+    env.reset(seed=SEED)
+    started = time.perf_counter()
+    beam: list[tuple[float, tuple[int, ...], None]] = [(0.0, (), None)]
+    expanded = 0
+    try:
+        for _ in range(depth):
+            children = []
+            for ret, prefix, _ in beam:
+                for a in actions:
+                    env.reset(seed=SEED)
+                    for b in prefix:
+                        env.step(b)
+                    _, reward, _, _, _ = env.step(a)
+                    expanded += 1
+                    children.append((ret + float(reward), (*prefix, a), None))
+            beam = _rank(children, width)
+            if sample:
+                sample()
+        return beam[0][0], beam[0][1], expanded, started
+    finally:
+        env.close()
+
+
+def search_native(make, actions, depth, width, sample=None) -> tuple:
+    """Beam search over ALE's cloneState/restoreState."""
+    env = make()
+    env.reset(seed=SEED)
+    ale = env.unwrapped.ale
+    started = time.perf_counter()
+    beam: list[tuple[float, tuple[int, ...], Any]] = [(0.0, (), ale.cloneState())]
+    expanded = 0
+    try:
+        for _ in range(depth):
+            children = []
+            for ret, prefix, state in beam:
+                for a in actions:
+                    ale.restoreState(state)
+                    _, reward, _, _, _ = env.step(a)
+                    expanded += 1
+                    children.append((ret + float(reward), (*prefix, a), ale.cloneState()))
+            beam = _rank(children, width)
+            if sample:
+                sample()
+        return beam[0][0], beam[0][1], expanded, started
+    finally:
+        env.close()
+
+
+def _tree_pss_kb() -> int:
+    """Summed PSS of this process and every process whose ancestry or session started
+    here: descendants, plus the zygote's warm parents (reparented away from us)."""
+    from gym_fork.bench.clones import pss_kb, tree_of
+
+    pids = set(tree_of(os.getpid()))
+    for pid in list(pids):  # a zygote's warm parents are its children: already in the tree
+        pids.update(tree_of(pid))
+    return sum(pss_kb(p) for p in pids)
+
+
+def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any]:
+    """One measurement, in this interpreter."""
+    make, actions = ENVS[env_name]
+    peak = [0]
+
+    def sample() -> None:
+        peak[0] = max(peak[0], _tree_pss_kb())
+
+    start = time.perf_counter()
+    if method == "fork":
+        ret, best, expanded, started = search_fork(make, actions, depth, width, sample=sample)
+    elif method == "microvm":
+        ret, best, expanded, started = search_fork(make, actions, depth, width, "microvm", sample)
+    elif method == "replay":
+        ret, best, expanded, started = search_replay(make, actions, depth, width, sample)
+    elif method == "native":
+        ret, best, expanded, started = search_native(make, actions, depth, width, sample)
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+    end = time.perf_counter()
+    seconds = end - started
+    return {
+        "env": env_name,
+        "method": method,
+        "setup_s": started - start,
+        "seconds": seconds,
+        "nodes_per_s": expanded / seconds,
+        "expanded": expanded,
+        "peak_pss_mb": peak[0] / 1024,
+        "best_return": ret,
+        "best": list(best),
+    }
+
+
+def _fresh(env_name: str, method: str, depth: int, width: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--one",
+            f"{env_name}:{method}",
+            "--depth",
+            str(depth),
+            "--width",
+            str(width),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{env_name}:{method} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", type=int, default=50)
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--envs", default="pong,cstate", help="comma-separated: pong, cstate")
+    parser.add_argument("--microvm", action="store_true", help="add the microVM host's fork")
+    parser.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # ENV:METHOD, in this interpreter
+    args = parser.parse_args()
+    if args.one:
+        env_name, method = args.one.split(":")
+        print(json.dumps(run_one(env_name, method, args.depth, args.width)))
+        return
+    plans = []
+    for env_name in args.envs.split(","):
+        methods = ["fork", "replay"] + (["native"] if env_name == "pong" else [])
+        plans.append((env_name, methods + (["microvm"] if args.microvm else [])))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.rounds):  # interleaved: round-robin over every contender
+        for env_name, methods in plans:
+            for method in methods:
+                r = _fresh(env_name, method, args.depth, args.width)
+                results.setdefault((env_name, method), []).append(r)
+                print(f"  {env_name:7} {method:8} {r['nodes_per_s']:10.0f} nodes/s", flush=True)
+    failed = False
+    print(f"\ndepth {args.depth}, width {args.width}, medians of {args.rounds} [min-max]")
+    print(
+        "| env | method | nodes/s | vs replay | vs native | set-up (s) | peak PSS (MB) "
+        "| best return |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for env_name, methods in plans:
+        med = {
+            m: statistics.median(r["nodes_per_s"] for r in results[(env_name, m)]) for m in methods
+        }
+        bests = {tuple(r["best"]) for m in methods for r in results[(env_name, m)]}
+        if len(bests) != 1:
+            failed = True
+            print(
+                f"MISMATCH on {env_name}: the methods found {len(bests)} different best sequences"
+            )
+        for m in methods:
+            runs = results[(env_name, m)]
+            rates = [r["nodes_per_s"] for r in runs]
+            pss = statistics.median(r["peak_pss_mb"] for r in runs)
+            setup = statistics.median(r["setup_s"] for r in runs)
+            vs_native = f"{med[m] / med['native']:.3f}x" if "native" in med else "-"
+            print(
+                f"| {env_name} | {m} | {med[m]:,.0f} [{min(rates):,.0f}-{max(rates):,.0f}] "
+                f"| {med[m] / med['replay']:.2f}x | {vs_native} | {setup:.2f} | {pss:.0f} "
+                f"| {runs[0]['best_return']:.2f} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r for runs in results.values() for r in runs], f, indent=1)
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
