@@ -93,91 +93,90 @@ ENVS: dict[str, tuple[Callable[[], gym.Env], tuple[int, ...]]] = {
 }
 
 
-def _rank(children: list[tuple[float, tuple[int, ...], Any]], width: int) -> list:
-    """The ``width`` best children: highest return, then the smallest action sequence (so
-    every method keeps the same nodes on ties)."""
-    return sorted(children, key=lambda c: (-c[0], c[1]))[:width]
+Node = tuple[float, tuple[int, ...], Any]  # return so far, action prefix, where it lives
+Expand = Callable[[list[Node]], list[Node]]  # a level's children, each action of each node
+
+
+def beam_search(root: Any, expand: Expand, depth: int, width: int, sample=None) -> tuple:
+    """Keep the ``width`` best children at each of ``depth`` levels: highest return, then
+    the smallest action sequence (so every method keeps the same nodes on ties). Returns
+    the best return, its actions and how many nodes were expanded."""
+    beam: list[Node] = [(0.0, (), root)]
+    expanded = 0
+    for _ in range(depth):
+        children = expand(beam)
+        expanded += len(children)
+        beam = sorted(children, key=lambda c: (-c[0], c[1]))[:width]
+        if sample:
+            sample()
+    return beam[0][0], beam[0][1], expanded
 
 
 def search_fork(make, actions, depth, width, host="process", sample=None) -> tuple:
-    """Beam search where each level is one fork of the kept sub-envs."""
+    """Each level is one fork of the kept sub-envs (a copy per action) and one step."""
     from gym_fork import ForkVectorEnv
 
     env = ForkVectorEnv.from_parent(make, 1, host=host, lineage_log=False)
     env.reset(seed=SEED)
     started = time.perf_counter()
-    beam: list[tuple[float, tuple[int, ...], int]] = [(0.0, (), 0)]
-    expanded = 0
+    live = [env]
+
+    def expand(beam: list[Node]) -> list[Node]:
+        k = len(actions)
+        branch = live[0].fork(f"level-{len(beam[0][1])}", [n[2] for n in beam], copies=k)
+        _, rewards, _, _, _ = branch.step(np.array(actions * len(beam)))  # source, then copy
+        live[0].close()
+        live[0] = branch
+        return [
+            (ret + float(rewards[i * k + c]), (*prefix, actions[c]), i * k + c)
+            for i, (ret, prefix, _) in enumerate(beam)
+            for c in range(k)
+        ]
+
     try:
-        for level in range(depth):
-            branch = env.fork(f"level-{level}", indices=[n[2] for n in beam], copies=len(actions))
-            step = np.array(actions * len(beam), dtype=np.int64)  # source order, then copy
-            _, rewards, _, _, _ = branch.step(step)
-            expanded += len(step)
-            children = [
-                (
-                    beam[j // len(actions)][0] + float(rewards[j]),
-                    (*beam[j // len(actions)][1], actions[j % len(actions)]),
-                    j,
-                )
-                for j in range(len(step))
-            ]
-            env.close()
-            env, beam = branch, _rank(children, width)
-            if sample:
-                sample()
-        return beam[0][0], beam[0][1], expanded, started
+        return (*beam_search(0, expand, depth, width, sample), started)
     finally:
-        env.close()
+        live[0].close()
 
 
 def search_replay(make, actions, depth, width, sample=None) -> tuple:
-    """Beam search that rebuilds each child by reset(seed) + replaying its prefix."""
+    """Each child rebuilt by ``reset(seed)`` and replaying its action prefix."""
     env = make()
     env.reset(seed=SEED)
     started = time.perf_counter()
-    beam: list[tuple[float, tuple[int, ...], None]] = [(0.0, (), None)]
-    expanded = 0
+
+    def child(ret: float, prefix: tuple[int, ...], action: int) -> Node:
+        env.reset(seed=SEED)
+        for b in prefix:
+            env.step(b)
+        return (ret + float(env.step(action)[1]), (*prefix, action), None)
+
+    def expand(beam: list[Node]) -> list[Node]:
+        return [child(ret, prefix, a) for ret, prefix, _ in beam for a in actions]
+
     try:
-        for _ in range(depth):
-            children = []
-            for ret, prefix, _ in beam:
-                for a in actions:
-                    env.reset(seed=SEED)
-                    for b in prefix:
-                        env.step(b)
-                    _, reward, _, _, _ = env.step(a)
-                    expanded += 1
-                    children.append((ret + float(reward), (*prefix, a), None))
-            beam = _rank(children, width)
-            if sample:
-                sample()
-        return beam[0][0], beam[0][1], expanded, started
+        return (*beam_search(None, expand, depth, width, sample), started)
     finally:
         env.close()
 
 
 def search_native(make, actions, depth, width, sample=None) -> tuple:
-    """Beam search over ALE's cloneState/restoreState."""
+    """Each child restored from its parent's ``cloneState`` (ALE's own)."""
     env = make()
     env.reset(seed=SEED)
     ale = env.unwrapped.ale
     started = time.perf_counter()
-    beam: list[tuple[float, tuple[int, ...], Any]] = [(0.0, (), ale.cloneState())]
-    expanded = 0
+
+    def child(ret: float, prefix: tuple[int, ...], state: Any, action: int) -> Node:
+        ale.restoreState(state)
+        reward = float(env.step(action)[1])
+        return (ret + reward, (*prefix, action), ale.cloneState())
+
+    def expand(beam: list[Node]) -> list[Node]:
+        return [child(ret, prefix, state, a) for ret, prefix, state in beam for a in actions]
+
     try:
-        for _ in range(depth):
-            children = []
-            for ret, prefix, state in beam:
-                for a in actions:
-                    ale.restoreState(state)
-                    _, reward, _, _, _ = env.step(a)
-                    expanded += 1
-                    children.append((ret + float(reward), (*prefix, a), ale.cloneState()))
-            beam = _rank(children, width)
-            if sample:
-                sample()
-        return beam[0][0], beam[0][1], expanded, started
+        return (*beam_search(ale.cloneState(), expand, depth, width, sample), started)
     finally:
         env.close()
 
@@ -197,9 +196,12 @@ def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any
     """One measurement, in this interpreter."""
     make, actions = ENVS[env_name]
     peak = [0]
+    sampling = [0.0]  # the PSS walks of /proc are not the search's time
 
     def sample() -> None:
+        begin = time.perf_counter()
         peak[0] = max(peak[0], _tree_pss_kb())
+        sampling[0] += time.perf_counter() - begin
 
     start = time.perf_counter()
     if method == "fork":
@@ -213,7 +215,7 @@ def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any
     else:
         raise SystemExit(f"unknown method {method!r}")
     end = time.perf_counter()
-    seconds = end - started
+    seconds = end - started - sampling[0]
     return {
         "env": env_name,
         "method": method,
