@@ -21,7 +21,8 @@ from gymnasium import logger
 from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
-from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec, make_host
+from gym_fork.hosts import make_host
+from gym_fork.hosts.base import Host, WorkerHandle, WorkerSpec
 from gym_fork.lineage import Lineage
 from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
