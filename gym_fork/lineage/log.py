@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import rotation
+
 ENV_VAR = "GYM_FORK_LINEAGE_LOG"
 # The longest line read back (a root record with its baseline inputs is a few KB).
 MAX_LINE = 16 << 20
@@ -93,23 +95,26 @@ def _refusal(exc: OSError, what: str) -> OSError:
 _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 
 
-def _open_for_append(path: Path) -> int:
-    """An fd to append to ``path`` (see the module docstring for what is refused)."""
+def _open_directory(path: Path) -> int:
+    """An fd of the log's directory (made 0700 if missing), refused if others may plant
+    files in it."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         _check_directory(os.fstat(directory))
-        try:
-            fd = os.open(
-                path.name,
-                os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS,
-                0o644,
-                dir_fd=directory,
-            )
-        except OSError as exc:
-            raise _refusal(exc, "it") from None
-    finally:
+    except BaseException:
         os.close(directory)
+        raise
+    return directory
+
+
+def _open_in(directory: int, name: str) -> int:
+    """An fd to append to ``name`` in ``directory`` (see the module docstring for what
+    is refused)."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _FLAGS, 0o644, dir_fd=directory)
+    except OSError as exc:
+        raise _refusal(exc, "it") from None
     try:
         _check_file(os.fstat(fd), writing=True)
     except BaseException:
@@ -121,19 +126,23 @@ def _open_for_append(path: Path) -> int:
 class LineageLog:
     """Appends events to a JSONL file; each event is one ``write`` on an O_APPEND fd, so
     concurrent writers (several controllers) never interleave within a line. A log it
-    may not write (see the module docstring) gets a warning and no line."""
+    may not write (see the module docstring) gets a warning and no line. A log that
+    would grow past ``max_bytes`` (default: :func:`~gym_fork.lineage.rotation.max_bytes`)
+    is rotated first (:mod:`gym_fork.lineage.rotation`)."""
 
-    def __init__(self, path: str | os.PathLike | None) -> None:
+    def __init__(self, path: str | os.PathLike | None, *, max_bytes: int | None = None) -> None:
         self.path = Path(path) if path else None
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
 
     def append(self, event: dict[str, Any]) -> None:
+        """Write one event as one line (or warn and write nothing)."""
         if self.path is None:
             return
         line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
         with self._lock:
             try:
-                fd = _open_for_append(self.path)
+                fd = self._open(len(line))
             except OSError as exc:
                 self._warn(exc)
                 return
@@ -144,10 +153,34 @@ class LineageLog:
             finally:
                 os.close(fd)
 
-    def _warn(self, exc: OSError) -> None:
+    def _open(self, adding: int) -> int:
+        """An fd of the log with room for ``adding`` bytes, rotating a full one."""
+        assert self.path is not None
+        limit = self.max_bytes or rotation.max_bytes()
+        directory = _open_directory(self.path)
+        try:
+            for _attempt in range(3):  # another writer may rotate between our steps
+                fd = _open_in(directory, self.path.name)
+                size = os.fstat(fd).st_size
+                if size == 0 or size + adding <= limit:
+                    return fd
+                try:
+                    moved = rotation.rotate(fd, directory, self.path.name)
+                except OSError as exc:
+                    self._warn(exc, "not rotated, written as it is")
+                    return fd
+                if not moved:
+                    return fd
+                os.close(fd)
+            return _open_in(directory, self.path.name)
+        finally:
+            os.close(directory)
+
+    def _warn(self, exc: OSError, outcome: str = "not written") -> None:
         reason = str(exc) if isinstance(exc, LogRefused) else (exc.strerror or str(exc))
+        lost = "; this event is not recorded" if outcome == "not written" else ""
         warnings.warn(
-            f"gym_fork lineage log {self.path}: not written ({reason}); this event is not recorded",
+            f"gym_fork lineage log {self.path}: {outcome} ({reason}){lost}",
             stacklevel=3,
         )
 
@@ -191,6 +224,25 @@ def _any(_value: Any) -> bool:
     return True
 
 
+# The run record of a root (gym_fork.lineage.runs.current_run): who made it, where, when.
+RUN_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "id": _str,
+    "started": _number,
+    "pid": _int,
+    "hostname": _str,
+    "argv": _list_of(_str),
+    "cwd": _optional(_str),
+    "env_ids": _list_of(_str),
+    "makers": _list_of(_str),
+}
+
+
+def _run_record(value: Any) -> bool:
+    return type(value) is dict and all(
+        check(value[name]) for name, check in RUN_FIELDS.items() if name in value
+    )
+
+
 # The fields gym_fork writes, and the type each must have when present. Other fields
 # (those of events such as "replaced") are kept as parsed and never rendered.
 FIELDS: dict[str, Callable[[Any], bool]] = {
@@ -213,6 +265,7 @@ FIELDS: dict[str, Callable[[Any], bool]] = {
     "gpu_memory": _optional(_int),
     "gpu_memory_created": _optional(_int),
     "gpu_memory_closed": _optional(_int),
+    "run": _optional(_run_record),
 }
 # Events that make or close a branch must name it.
 NEEDS_BRANCH = ("root_ready", "branch_created", "closed")
@@ -251,9 +304,13 @@ def parse_event(line: bytes | str) -> dict[str, Any] | None:
 
 
 class Events(list):
-    """The events of a log, in order; ``skipped`` counts its malformed lines."""
+    """The events of a log, in order; ``skipped`` counts its malformed lines, ``refused``
+    says which rotated files were not read and why."""
 
-    skipped: int = 0
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.skipped = 0
+        self.refused: list[str] = []
 
 
 def read_log(path: str | os.PathLike) -> Events:
@@ -292,4 +349,33 @@ def read_log(path: str | os.PathLike) -> Events:
                 events.skipped += 1
             else:
                 events.append(event)
+    return events
+
+
+def read_logs(path: str | os.PathLike) -> Events:
+    """The events of a log and of its rotated files (:func:`read_log` each), oldest
+    first. A rotated file that is missing is passed over; one that is refused (a
+    symlink, a FIFO, ...) too, named in ``.refused``. Raises as :func:`read_log` for the
+    log itself, FileNotFoundError only when neither it nor a rotated file exists."""
+    events = Events()
+    found = False
+    for rotated in rotation.rotated_paths(path):
+        try:
+            part = read_log(rotated)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            events.refused.append(str(exc))
+            continue
+        found = True
+        events.extend(part)
+        events.skipped += part.skipped
+    try:
+        part = read_log(path)
+    except FileNotFoundError:
+        if not found:
+            raise
+        return events
+    events.extend(part)
+    events.skipped += part.skipped
     return events

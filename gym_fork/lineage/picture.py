@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import html
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .log import valid_events
+from .nodes import (  # noqa: F401 (branch_nodes, select_trees: re-exported)
+    BranchNode,
+    branch_nodes,
+    indices_text,
+    layout_tree,
+    local_time,
+    select_trees,
+    short_list,
+)
+from .runs import Run, pick
 
 # Box colours by exit status: (stroke, fill).
 STATUS_COLOURS = {
@@ -28,195 +36,85 @@ STATUS_COLOURS = {
 FAILED_COLOURS = ("#c62828", "#ffebee")  # any other status (a crash, a failure)
 
 
-@dataclass
-class BranchNode:
-    """One vector env of a lineage log (a root or a branch) and its place in the picture."""
-
-    branch_id: str
-    parent_branch_id: str | None
-    baseline_id: str | None
-    num_envs: int
-    source_indices: list[int] = field(default_factory=list)
-    copies: int = 1
-    seeds: list[int | None] | None = None
-    created: float | None = None
-    closed: float | None = None
-    exit_status: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    pids: list[int] = field(default_factory=list)
-    n_events: int = 0
-    children: list[str] = field(default_factory=list)
-    up: str | None = None  # the branch it is drawn under (None: the root of a tree)
-    depth: int = 0
-    row: float = 0.0
-
-    @property
-    def status(self) -> str:
-        """The exit status, or "open" while the log has no close for it."""
-        return self.exit_status or "open"
-
-    @property
-    def lifetime(self) -> float | None:
-        """Seconds from creation to close (None while open)."""
-        if self.created is None or self.closed is None:
-            return None
-        return self.closed - self.created
-
-    def summary(self) -> str:
-        """One line: where it came from and how many sub-envs it has."""
-        if self.parent_branch_id is None:
-            return f"root, {self.num_envs} sub-envs"
-        return f"{_indices(self.source_indices)} x{self.copies} -> {self.num_envs} sub-envs"
-
-    def timing_text(self) -> str:
-        """Its timings in ms, e.g. ``fork 12.3 ms``."""
-        names = {"fork_s": "fork", "parent_ready_s": "parent", "sandboxes_ready_s": "sandboxes"}
-        parts = []
-        for key, seconds in self.timings.items():
-            ms = seconds * 1000
-            parts.append(
-                f"{names.get(key, key.removesuffix('_s'))} {ms:.{0 if ms >= 100 else 1}f} ms"
-            )
-        return ", ".join(parts)
-
-    def seeds_text(self) -> str:
-        """The reseeds of a branch, or an empty string when it replays its source."""
-        if not self.seeds or all(s is None for s in self.seeds):
-            return ""
-        seeds = self.seeds
-        if all(isinstance(v, int) for v in seeds) and seeds == list(
-            range(seeds[0], seeds[0] + len(seeds))  # type: ignore[arg-type]
-        ):
-            return f"{seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
-        return _short_list(seeds, 6)
-
-    def detail(self) -> str:
-        """The third line of its box: the baseline of a root, the seeds of a branch."""
-        if self.parent_branch_id is None:
-            return f"baseline {self.baseline_id}"
-        seeds = self.seeds_text()
-        return f"reseeded {seeds}" if seeds else "replays its source (no reseed)"
-
-
-def _indices(values: list[int]) -> str:
-    return "[" + ", ".join(str(v) for v in values) + "]"
-
-
-def _short_list(values: list[Any], keep: int) -> str:
-    if len(values) <= keep:
-        return "[" + ", ".join(str(v) for v in values) + "]"
-    shown = ", ".join(str(v) for v in values[:keep])
-    return f"[{shown}, ... +{len(values) - keep}]"
-
-
-def branch_nodes(events: list[dict[str, Any]]) -> tuple[dict[str, BranchNode], list[str]]:
-    """The branches of a lineage log by id, laid out (``depth``, ``row``), and the root
-    ids in log order. Malformed events are skipped
-    (:func:`~gym_fork.lineage.log.event_problem`) and the first record of an id counts;
-    a branch hangs under its parent only if the parent was recorded before it (so a log
-    never makes a cycle), else it counts as a root, as one whose parent is not in the
-    log does."""
-    nodes: dict[str, BranchNode] = {}
-    roots: list[str] = []
-    for e in valid_events(events):
-        kind, branch_id = e["event"], e.get("branch_id")
-        if kind in ("root_ready", "branch_created") and branch_id not in nodes:
-            node = BranchNode(
-                branch_id=branch_id,
-                parent_branch_id=e.get("parent_branch_id"),
-                baseline_id=e.get("baseline_id"),
-                num_envs=e.get("num_envs") or 0,
-                source_indices=list(e.get("source_indices") or []),
-                copies=e.get("copies") or 1,
-                seeds=e.get("seeds"),
-                created=e.get("created"),
-                timings=dict(e.get("timings") or {}),
-                pids=list(e.get("pids") or []),
-            )
-            if node.parent_branch_id in nodes:  # recorded before it
-                node.up = node.parent_branch_id
-                nodes[node.up].children.append(branch_id)
-            else:
-                roots.append(branch_id)
-            nodes[branch_id] = node
-        elif kind == "closed" and branch_id in nodes:
-            nodes[branch_id].exit_status = e.get("exit_status")
-            nodes[branch_id].closed = e.get("closed")
-        elif branch_id in nodes:
-            nodes[branch_id].n_events += 1
-    _layout(nodes, roots)
-    return nodes, roots
-
-
-def _layout(nodes: dict[str, BranchNode], roots: list[str]) -> None:
-    """Leaves take consecutive rows in depth-first order, a parent sits midway between
-    its first and last child; one empty row between trees."""
-    next_row = 0.0
-
-    def place(branch_id: str, depth: int) -> None:
-        nonlocal next_row
-        node = nodes[branch_id]
-        node.depth = depth
-        stack = [(branch_id, depth, False)]
-        # Iterative post-order, so that a deep chain of branches never hits the recursion limit.
-        while stack:
-            current, level, expanded = stack.pop()
-            item = nodes[current]
-            item.depth = level
-            if not item.children:
-                item.row = next_row
-                next_row += 1
-            elif not expanded:
-                stack.append((current, level, True))
-                stack.extend((kid, level + 1, False) for kid in reversed(item.children))
-            else:
-                item.row = (nodes[item.children[0]].row + nodes[item.children[-1]].row) / 2
-
-    for root in roots:
-        place(root, 0)
-        next_row += 1
-
-
-def select_trees(
-    nodes: dict[str, BranchNode],
-    roots: list[str],
-    *,
-    root: str | None = None,
-    last: int | None = None,
-) -> list[str]:
-    """The roots to draw: the tree holding branch ``root``, or the ``last`` N trees."""
-    if root is not None:
-        if root not in nodes:
-            raise KeyError(f"no branch {root!r} in this log")
-        current = root
-        while nodes[current].up is not None:  # parents come earlier: this ends
-            current = nodes[current].up  # type: ignore[assignment]
-        return [current]
-    if last is not None:
-        return roots[-last:] if last > 0 else []
-    return roots
-
-
-def _subtree(nodes: dict[str, BranchNode], roots: list[str]) -> dict[str, BranchNode]:
-    """The nodes of the trees under ``roots``, laid out again on their own."""
-    keep: dict[str, BranchNode] = {}
-    stack = list(roots)
-    while stack:
-        branch_id = stack.pop()
-        keep[branch_id] = nodes[branch_id]
-        stack.extend(nodes[branch_id].children)
-    _layout(keep, roots)
-    return keep
-
-
 def colours(status: str) -> tuple[str, str]:
     """(stroke, fill) of a box for this exit status."""
     return STATUS_COLOURS.get(status, FAILED_COLOURS)
 
 
+# -- layout: one labelled band per run ----------------------------------------------------
+
+LABEL_ROWS = 0.4  # the band's label line, in rows
+BAND_GAP = 0.35  # rows between two bands
+LINE_GAP = 0.25  # rows between two lines of trees in one band
+MAX_COLS = 5  # trees of a run sit side by side up to this many columns, then wrap
+
+
+@dataclass
+class Band:
+    """The band of one run: its label's run, top row, height in rows, width in columns."""
+
+    run: Run
+    top: float
+    height: float
+    width: int
+
+
+@dataclass
+class Placement:
+    """Where everything goes, in columns (x) and rows (y): every drawn branch and band."""
+
+    nodes: dict[str, BranchNode]
+    spots: dict[str, tuple[float, float]]
+    bands: list[Band]
+    cols: int
+    rows: float
+
+
+def _members(nodes: dict[str, BranchNode], root: str) -> list[str]:
+    out, stack = [], [root]
+    while stack:
+        branch_id = stack.pop()
+        out.append(branch_id)
+        stack.extend(reversed(nodes[branch_id].children))
+    return out
+
+
+def place(nodes: dict[str, BranchNode], runs: list[Run]) -> Placement:
+    """Lay out ``runs``: each a band headed by its label (time, script, envs), its trees
+    side by side (wrapping after :data:`MAX_COLS` columns, or the widest tree), so a run
+    of many small trees is a block, not one tall column."""
+    spots: dict[str, tuple[float, float]] = {}
+    drawn: dict[str, BranchNode] = {}
+    bands: list[Band] = []
+    top = 0.0
+    for run in runs:
+        trees = []
+        for root in run.roots:
+            members = _members(nodes, root)
+            height = layout_tree(nodes, root)
+            trees.append((members, max(nodes[m].depth for m in members) + 1, height))
+        limit = max([MAX_COLS, *(width for _, width, _ in trees)])
+        line_top, x, line_height, band_width = top + LABEL_ROWS, 0, 0.0, 1
+        for members, width, height in trees:
+            if x and x + width > limit:
+                line_top, x, line_height = line_top + line_height + LINE_GAP, 0, 0.0
+            for m in members:
+                spots[m] = (x + nodes[m].depth, line_top + nodes[m].row)
+                drawn[m] = nodes[m]
+            x += width
+            line_height = max(line_height, height)
+            band_width = max(band_width, x)
+        bottom = line_top + line_height
+        bands.append(Band(run, top, bottom - top, band_width))
+        top = bottom + BAND_GAP
+    cols = max((b.width for b in bands), default=1)
+    return Placement(drawn, spots, bands, cols, top - BAND_GAP if bands else 0.0)
+
+
 # -- HTML -------------------------------------------------------------------------------
 
 BOX_W, BOX_H, COL_W, ROW_H, MARGIN = 285, 72, 350, 88, 16
+BAND_PAD = 8
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }
@@ -227,6 +125,7 @@ svg text { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; }
 table { border-collapse: collapse; font-size: 0.85em; margin-top: 0.5em; }
 th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: #f5f5f5; position: sticky; top: 0; }
+th.run { background: #eceff1; position: static; font-weight: 600; }
 td.num { text-align: right; }
 td.pids { max-width: 28em; word-break: break-word; font-family: ui-monospace, monospace; }
 .status { font-weight: 600; }
@@ -236,24 +135,35 @@ td.pids { max-width: 28em; word-break: break-word; font-family: ui-monospace, mo
 """
 
 
-def _svg(nodes: dict[str, BranchNode], roots: list[str]) -> str:
+def _svg(placed: Placement) -> str:
+    nodes, spots = placed.nodes, placed.spots
     if not nodes:
         return "<p>(no branches in this log)</p>"
-    depth = max(n.depth for n in nodes.values())
-    rows = max(n.row for n in nodes.values()) + 1
-    width = int(MARGIN * 2 + depth * COL_W + BOX_W)
-    height = int(MARGIN * 2 + rows * ROW_H)
+    width = int(MARGIN * 2 + (placed.cols - 1) * COL_W + BOX_W)
+    height = int(MARGIN * 2 + (placed.rows - 1) * ROW_H + BOX_H)
 
     def x(node: BranchNode) -> float:
-        return MARGIN + node.depth * COL_W
+        return MARGIN + spots[node.key][0] * COL_W
 
     def y(node: BranchNode) -> float:
-        return MARGIN + node.row * ROW_H
+        return MARGIN + spots[node.key][1] * ROW_H
 
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="branch tree">'
     ]
+    for band in placed.bands:
+        bx, by = MARGIN - BAND_PAD, MARGIN + band.top * ROW_H - BAND_PAD / 2
+        bw = (band.width - 1) * COL_W + BOX_W + 2 * BAND_PAD
+        bh = (band.height - 1) * ROW_H + BOX_H + BAND_PAD
+        out.append(
+            f'<rect x="{bx:.0f}" y="{by:.0f}" width="{bw:.0f}" height="{bh:.0f}" rx="6" '
+            f'fill="#fafafa" stroke="#cfd8dc" stroke-width="1"/>'
+        )
+        out.append(
+            f'<text x="{bx + BAND_PAD:.0f}" y="{by + 20:.0f}" font-size="12" fill="#37474f" '
+            f'font-weight="bold">{html.escape(band.run.label(int(bw / 7.5)))}</text>'
+        )
     for node in nodes.values():
         for kid_id in node.children:
             kid = nodes[kid_id]
@@ -264,7 +174,7 @@ def _svg(nodes: dict[str, BranchNode], roots: list[str]) -> str:
                 f'<path d="M{x0:.0f},{y0:.0f} C{mid:.0f},{y0:.0f} {mid:.0f},{y1:.0f} '
                 f'{x1:.0f},{y1:.0f}" fill="none" stroke="#999" stroke-width="1.5"/>'
             )
-            label = f"{_indices(kid.source_indices)} x{kid.copies}"
+            label = f"{indices_text(kid.source_indices)} x{kid.copies}"
             out.append(
                 f'<text x="{x1 - 6:.0f}" y="{y1 - 4:.0f}" font-size="10" fill="#666" '
                 f'text-anchor="end">{html.escape(label)}</text>'
@@ -281,7 +191,7 @@ def _svg(nodes: dict[str, BranchNode], roots: list[str]) -> str:
                 f"seeds: {seeds or '-'}",
                 f"timings: {node.timing_text() or '-'}",
                 f"exit status: {node.status}",
-                f"pids: {_short_list(node.pids, 16)}",
+                f"pids: {short_list(node.pids, 16)}",
             ]
         )
         out.append(f"<g><title>{html.escape(tooltip)}</title>")
@@ -307,50 +217,51 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _when(stamp: float | None) -> str:
-    if stamp is None:
-        return ""
-    try:
-        when = time.localtime(stamp)
-    except (OverflowError, OSError, ValueError):  # a time no clock shows
-        return html.escape(repr(stamp))
-    return time.strftime("%Y-%m-%d %H:%M:%S", when) + f".{int(stamp % 1 * 1000):03d}"
-
-
-def _table(nodes: dict[str, BranchNode], roots: list[str]) -> str:
+def _table(placed: Placement) -> str:
     head = (
         "<tr><th>branch</th><th>parent</th><th>sub-envs</th><th>from (indices x copies)</th>"
         "<th>seeds</th><th>created</th><th>timings</th><th>lifetime</th><th>exit status</th>"
         "<th>events</th><th>pids</th></tr>"
     )
     rows = []
-    for root in roots:
-        stack = [root]
-        while stack:  # depth-first, children in log order
-            node = nodes[stack.pop()]
-            stack.extend(reversed(node.children))
-            stroke, _ = colours(node.status)
-            origin = (
-                ""
-                if node.parent_branch_id is None
-                else f"{_indices(node.source_indices)} x{node.copies}"
-            )
-            lifetime = f"{node.lifetime:.3f} s" if node.lifetime is not None else ""
-            cells = [
-                f"<td>{'&nbsp;' * 3 * node.depth}{html.escape(node.branch_id)}</td>",
-                f"<td>{html.escape(node.parent_branch_id or '-')}</td>",
-                f'<td class="num">{node.num_envs}</td>',
-                f"<td>{html.escape(origin)}</td>",
-                f"<td>{html.escape(_short_list(node.seeds, 8) if node.seeds_text() else '')}</td>",
-                f"<td>{_when(node.created)}</td>",
-                f"<td>{html.escape(node.timing_text())}</td>",
-                f'<td class="num">{lifetime}</td>',
-                f'<td class="status" style="color:{stroke}">{html.escape(node.status)}</td>',
-                f'<td class="num">{node.n_events}</td>',
-                f'<td class="pids">{html.escape(", ".join(str(p) for p in node.pids))}</td>',
-            ]
-            rows.append("<tr>" + "".join(cells) + "</tr>")
+    for band in placed.bands:
+        heading = band.run.heading() if band.run.recorded else band.run.label()
+        rows.append(f'<tr><th class="run" colspan="11">{html.escape(heading)}</th></tr>')
+        for root in band.run.roots:
+            for branch_id in _members(placed.nodes, root):  # depth-first, in log order
+                rows.append(_table_row(placed.nodes[branch_id]))
     return "<table>\n" + head + "\n" + "\n".join(rows) + "\n</table>"
+
+
+def _table_row(node: BranchNode) -> str:
+    stroke, _ = colours(node.status)
+    origin = (
+        ""
+        if node.parent_branch_id is None
+        else f"{indices_text(node.source_indices)} x{node.copies}"
+    )
+    lifetime = f"{node.lifetime:.3f} s" if node.lifetime is not None else ""
+    cells = [
+        f"<td>{'&nbsp;' * 3 * node.depth}{html.escape(node.branch_id)}</td>",
+        f"<td>{html.escape(node.parent_branch_id or '-')}</td>",
+        f'<td class="num">{node.num_envs}</td>',
+        f"<td>{html.escape(origin)}</td>",
+        f"<td>{html.escape(short_list(node.seeds, 8) if node.seeds_text() else '')}</td>",
+        f"<td>{local_time(node.created, ms=True)}</td>",
+        f"<td>{html.escape(node.timing_text())}</td>",
+        f'<td class="num">{lifetime}</td>',
+        f'<td class="status" style="color:{stroke}">{html.escape(node.status)}</td>',
+        f'<td class="num">{node.n_events}</td>',
+        f'<td class="pids">{html.escape(", ".join(str(p) for p in node.pids))}</td>',
+    ]
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _placed(
+    events: list[dict[str, Any]], root: str | None, last: int | None, since: float | None
+) -> Placement:
+    nodes, runs = pick(events, root=root, last=last, since=since)
+    return place(nodes, runs)
 
 
 def render_html(
@@ -360,20 +271,22 @@ def render_html(
     source: str | None = None,
     root: str | None = None,
     last: int | None = None,
+    since: float | None = None,
 ) -> str:
     """A self-contained HTML page (inline SVG and CSS, no scripts, nothing fetched) of the
-    branch trees in ``events``: ids, parents, seeds, timings, exit status, pids, sub-envs.
-    ``root``/``last``: only the tree holding that branch, or the last N trees."""
-    nodes, roots = branch_nodes(events)
-    roots = select_trees(nodes, roots, root=root, last=last)
-    nodes = _subtree(nodes, roots)
+    branch trees in ``events``, one labelled band per run: ids, parents, seeds, timings,
+    exit status, pids, sub-envs. ``root``/``last``/``since`` choose the runs as
+    :func:`~gym_fork.lineage.runs.select_runs` does (none given: every run)."""
+    placed = _placed(events, root, last, since)
+    nodes = placed.nodes
+    trees = sum(len(b.run.roots) for b in placed.bands)
     baselines = sorted({n.baseline_id for n in nodes.values() if n.baseline_id})
     legend = "".join(
         f'<span><i style="border-color:{s};background:{f}"></i>{name}</span>'
         for name, (s, f) in [*STATUS_COLOURS.items(), ("failed", FAILED_COLOURS)]
     )
     meta = (
-        f"{len(roots)} tree(s), {len(nodes)} vector env(s), "
+        f"{len(placed.bands)} run(s): {trees} tree(s), {len(nodes)} vector env(s), "
         f"{sum(n.num_envs for n in nodes.values())} sub-envs in all"
         + (f"; baseline {html.escape(', '.join(baselines))}" if baselines else "")
         + (f"; log {html.escape(source)}" if source else "")
@@ -390,10 +303,10 @@ def render_html(
 <p class="meta">{meta}</p>
 <p class="legend">{legend}</p>
 <div class="tree">
-{_svg(nodes, roots)}
+{_svg(placed)}
 </div>
 <h2>Branches</h2>
-{_table(nodes, roots)}
+{_table(placed)}
 </body>
 </html>
 """
@@ -409,9 +322,11 @@ def render_png(
     title: str = "gym_fork lineage",
     root: str | None = None,
     last: int | None = None,
+    since: float | None = None,
     dpi: int = 110,
 ) -> None:
-    """Draw the branch trees of ``events`` into a PNG at ``path`` (needs matplotlib:
+    """Draw the branch trees of ``events`` into a PNG at ``path``, one labelled band per
+    run, chosen as :func:`render_html` chooses (needs matplotlib:
     ``pip install 'gym_fork[plots]'``)."""
     try:
         import matplotlib
@@ -422,14 +337,11 @@ def render_png(
         from matplotlib.path import Path as MplPath
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError("--png needs matplotlib: pip install 'gym_fork[plots]'") from exc
-    nodes, roots = branch_nodes(events)
-    roots = select_trees(nodes, roots, root=root, last=last)
-    nodes = _subtree(nodes, roots)
-    depth = max((n.depth for n in nodes.values()), default=0)
-    rows = max((n.row for n in nodes.values()), default=0) + 1
-    col_w, box_w, box_h = 3.3, 2.7, 0.9  # inches; one row is 1.1 inch
-    width_in = 0.4 + (depth * col_w + box_w)
-    height_in = 0.9 + rows * 1.1
+    placed = _placed(events, root, last, since)
+    nodes = placed.nodes
+    col_w, row_h, box_w, box_h = 3.3, 1.1, 2.7, 0.9  # inches
+    width_in = 0.4 + (placed.cols - 1) * col_w + box_w
+    height_in = 0.9 + max(placed.rows - 1, 0) * row_h + box_h
     # Agg refuses images over 2**16 pixels a side: lower the resolution for huge trees.
     dpi = int(min(dpi, 60000 / max(width_in, height_in)))
     fig = plt.figure(figsize=(width_in, height_in), dpi=dpi)
@@ -441,8 +353,32 @@ def render_png(
     ax.text(0, -0.3, title, fontsize=11, fontweight="bold", va="center", parse_math=False)
 
     def xy(node: BranchNode) -> tuple[float, float]:
-        return node.depth * col_w, node.row * 1.1 + 0.2
+        col, row = placed.spots[node.key]
+        return col * col_w, row * row_h + 0.2
 
+    for band in placed.bands:
+        top = band.top * row_h + 0.2 - 0.06
+        ax.add_patch(
+            FancyBboxPatch(
+                (-0.1, top),
+                (band.width - 1) * col_w + box_w + 0.2,
+                (band.height - 1) * row_h + box_h + 0.12,
+                boxstyle="round,pad=0,rounding_size=0.06",
+                facecolor="#fafafa",
+                edgecolor="#cfd8dc",
+                linewidth=0.8,
+            )
+        )
+        ax.text(
+            0,
+            top + 0.22,
+            band.run.label(int(((band.width - 1) * col_w + box_w) * 15)),
+            fontsize=7.5,
+            fontweight="bold",
+            color="#37474f",
+            va="center",
+            parse_math=False,
+        )
     for node in nodes.values():
         x0, y0 = xy(node)
         for kid_id in node.children:
@@ -457,7 +393,7 @@ def render_png(
             ax.text(
                 x1 - 0.06,
                 y1 + box_h / 2 - 0.08,
-                f"{_indices(kid.source_indices)} x{kid.copies}",
+                f"{indices_text(kid.source_indices)} x{kid.copies}",
                 fontsize=6.5,
                 color="#666",
                 ha="right",

@@ -8,7 +8,11 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .log import LineageLog, valid_events
+from .log import LineageLog
+from .nodes import BranchNode, printable
+from .runs import current_run, pick
+
+__all__ = ["BranchRecord", "Lineage", "LineageTree", "printable", "render_tree"]
 
 
 @dataclass
@@ -30,6 +34,7 @@ class BranchRecord:
     pids: list[int] = field(default_factory=list)
     gpu_memory_created: int | None = None  # bytes on GPUs held by its sandboxes (NVML)
     gpu_memory_closed: int | None = None
+    run: dict[str, Any] | None = None  # of a root: who made it, when, where (runs.current_run)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -54,12 +59,16 @@ class LineageTree:
                     f"branch id {record.branch_id!r} is already used in this lineage tree"
                 )
             self.branches[record.branch_id] = record
+        if record.parent_branch_id is None and record.run is None:
+            record.run = current_run(env_ids=self.inputs.get("env_ids") or [])
         event = {
             "event": "root_ready" if record.parent_branch_id is None else "branch_created",
             **{k: v for k, v in asdict(record).items() if k != "events"},
         }
         if record.parent_branch_id is None:
             event["baseline_inputs"] = self.inputs
+        else:
+            del event["run"]
         self.log.append(event)
 
     def check_free(self, branch_id: str) -> None:
@@ -131,71 +140,53 @@ class Lineage:
         )
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
-# Line separators and bidirectional overrides: text that reorders or splits what is shown.
-_CONTROL.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *range(0x202A, 0x202F))})
-_CONTROL.update({c: f"\\u{c:04x}" for c in range(0x2066, 0x206A)})
-
-
-def printable(text: Any) -> str:
-    """``text`` with its control characters (C0, DEL, C1, line separators, bidi
-    overrides) escaped as ``\\xNN``/``\\uNNNN``: a string from a log never moves a
-    terminal's cursor, retitles or clears it, or reorders what is shown."""
-    return str(text).translate(_CONTROL)
-
-
-def render_tree(events: list[dict[str, Any]]) -> str:
-    """A text tree of the branches in a lineage log (several roots allowed).
+def render_tree(
+    events: list[dict[str, Any]],
+    *,
+    root: str | None = None,
+    last: int | None = None,
+    since: float | None = None,
+) -> str:
+    """A text tree of the branches in a lineage log, run by run (several roots allowed),
+    each run headed by its start time, script and envs (:meth:`Run.heading`; a root with
+    no run record gets no heading). ``root``/``last``/``since`` choose runs as
+    :func:`~gym_fork.lineage.runs.select_runs` does; none given: every run.
 
     Malformed events are skipped (:func:`~gym_fork.lineage.log.event_problem`); the
     first record of a branch id counts; a branch hangs under its parent only if the
     parent was recorded before it (so a log never makes a cycle), else it is a root."""
-    nodes: dict[str, dict[str, Any]] = {}
-    children: dict[str | None, list[str]] = {}
-    orphans: list[str] = []
-    for e in valid_events(events):
-        branch_id = e.get("branch_id")
-        if e["event"] in ("root_ready", "branch_created"):
-            if branch_id in nodes:
-                continue
-            parent = e.get("parent_branch_id")
-            if parent is None:
-                children.setdefault(None, []).append(branch_id)
-            elif parent in nodes:  # recorded before it (never itself)
-                children.setdefault(parent, []).append(branch_id)
-            else:  # its parent is not in the log (or only after it)
-                orphans.append(branch_id)
-            nodes[branch_id] = dict(e)
-        elif e["event"] == "closed" and branch_id in nodes:
-            nodes[branch_id]["exit_status"] = e.get("exit_status")
-        elif branch_id in nodes:
-            nodes[branch_id].setdefault("n_events", 0)
-            nodes[branch_id]["n_events"] += 1
+    nodes, runs = pick(events, root=root, last=last, since=since)
+    blocks = []
+    for run in runs:
+        lines = [run.heading()] if run.recorded else []
+        lines += _tree_lines(nodes, run.roots)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if any(r.recorded for r in runs) else "\n".join(blocks)
 
-    def label(node: dict[str, Any]) -> str:
-        status = node.get("exit_status") or "open"
-        if node.get("parent_branch_id") is None:
-            text = f"{node['branch_id']} baseline={node.get('baseline_id')} x{node.get('num_envs')}"
-        else:
-            text = (
-                f"{node['branch_id']} from {node.get('source_indices')} x{node.get('copies')}"
-                f" -> {node.get('num_envs')} sub-envs"
-            )
-            if node.get("seeds") and any(s is not None for s in node["seeds"]):
-                text += f" reseeded {node['seeds']}"
-        return printable(f"{text} [{status}]")
 
+def _label(node: BranchNode) -> str:
+    if node.parent_branch_id is None:
+        text = f"{node.branch_id} baseline={node.baseline_id} x{node.num_envs}"
+    else:
+        text = (
+            f"{node.branch_id} from {node.source_indices} x{node.copies}"
+            f" -> {node.num_envs} sub-envs"
+        )
+        if node.seeds and any(s is not None for s in node.seeds):
+            text += f" reseeded {node.seeds}"
+    return printable(f"{text} [{node.status}]")
+
+
+def _tree_lines(nodes: dict[str, BranchNode], roots: list[str]) -> list[str]:
     lines: list[str] = []
     # Iterative depth-first walk: a deep chain of branches never hits the recursion limit.
-    stack: list[tuple[str, str, bool, bool]] = [
-        (root, "", True, True) for root in reversed(children.get(None, []) + orphans)
-    ]
+    stack: list[tuple[str, str, bool, bool]] = [(r, "", True, True) for r in reversed(roots)]
     while stack:
         branch_id, prefix, last, top = stack.pop()
         connector = "" if top else ("└── " if last else "├── ")
-        lines.append(prefix + connector + label(nodes[branch_id]))
-        kids = children.get(branch_id, [])
+        lines.append(prefix + connector + _label(nodes[branch_id]))
+        kids = nodes[branch_id].children
         extension = "" if top else ("    " if last else "│   ")
         for i in reversed(range(len(kids))):
             stack.append((kids[i], prefix + extension, i == len(kids) - 1, False))
-    return "\n".join(lines)
+    return lines

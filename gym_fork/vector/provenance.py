@@ -20,6 +20,7 @@ from gym_fork.lineage import (
     baseline_inputs,
     default_log_path,
 )
+from gym_fork.lineage.runs import current_run
 from gym_fork.lineage.tree import BranchRecord
 
 from .config import VectorConfig
@@ -76,6 +77,7 @@ def start_root_lineage(
             isolation=isolation,
             pids=[w.pid for w in workers],
             gpu_memory_created=gpu_memory(workers),
+            run=current_run(env_ids=env_ids, makers=config.env_fns),
         )
     )
     return Lineage(tree, branch_id)

@@ -295,7 +295,8 @@ def test_provenance_is_queryable_and_logged(tmp_path):
     assert root["baseline_inputs"]["seed"] == 5
     assert root["baseline_inputs"]["packages"]["gymnasium"] == gym.__version__
     tree = render_tree(events)
-    assert tree.splitlines()[0].startswith("root baseline=")
+    heading, first = tree.splitlines()[:2]  # the run's heading (time, script), then the root
+    assert heading.startswith("run ") and first.startswith("root baseline=")
     assert "child from [1] x3" in tree and "grandchild from [2] x1" in tree
 
 
@@ -334,7 +335,8 @@ def test_the_lineage_cli_prints_the_tree(tmp_path):
         text=True,
         check=True,
     ).stdout
-    lines = out.splitlines()
+    heading, *lines = out.splitlines()
+    assert heading.startswith("run ") and "env CartPole-v1" in heading
     assert lines[0].startswith("cli-root baseline=") and lines[0].endswith("[closed]")
     assert lines[1] == "└── cli-child from [0] x2 -> 2 sub-envs [closed]"
     missing = subprocess.run(
