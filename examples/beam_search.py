@@ -1,6 +1,12 @@
 """Beam search over an environment that cannot clone itself, by forking sandboxes.
 
-Run:  .venv/bin/python examples/beam_search.py
+Run:  .venv/bin/python examples/beam_search.py [--depth 6] [--width 4] [--seed 3]
+
+Its search tree goes to the lineage log (the default one: $GYM_FORK_LINEAGE_LOG, else
+~/.local/state/gym_fork/lineage.jsonl). Look at it afterwards with
+
+    gym-fork lineage                       # the latest run's tree, headed by time and script
+    gym-fork lineage --html tree.html      # the same as a page (--png tree.png: an image)
 
 Tree search needs to expand a node: take the environment exactly as it is at that
 node and try every action. Most environments cannot copy their own state: here the
@@ -76,7 +82,7 @@ class Node:
 
 def beam_search(make_env, seed: int, depth: int, width: int) -> list[Node]:
     """The ``width`` best action sequences of length <= ``depth`` from ``reset(seed)``."""
-    root = ForkVectorEnv.from_parent(make_env, 1, lineage_log=False)
+    root = ForkVectorEnv.from_parent(make_env, 1)  # its tree goes to the default lineage log
     root.reset(seed=seed)
     beam = [Node(root, 0, (), 0.0, False)]
     n_actions = int(root.single_action_space.n)
@@ -87,7 +93,7 @@ def beam_search(make_env, seed: int, depth: int, width: int) -> list[Node]:
             if node.done:
                 children.append(node)
                 continue
-            name = f"d{level}-" + ".".join(map(str, node.actions)) or "root"
+            name = f"d{level}-" + (".".join(map(str, node.actions)) or "root")
             branch = node.envs.fork(name, indices=[node.index], copies=n_actions)
             alive[id(branch)] = branch
             _, rewards, term, trunc, _ = branch.step(np.arange(n_actions))
@@ -127,13 +133,20 @@ def replay_return(make_env, seed: int, actions: tuple[int, ...]) -> float:
 
 
 if __name__ == "__main__":
+    import argparse
     import copy
 
+    parser = argparse.ArgumentParser(description="Beam search by forking sandboxes.")
+    parser.add_argument("--depth", type=int, default=6, help="actions per sequence (default 6)")
+    parser.add_argument("--width", type=int, default=4, help="sequences kept (default 4)")
+    parser.add_argument("--seed", type=int, default=3, help="seed of the reset (default 3)")
+    args = parser.parse_args()
     try:
         copy.deepcopy(CStateWalk())
     except (ValueError, TypeError) as exc:
         print(f"deepcopy of the env fails as expected: {exc}")
-    best = beam_search(CStateWalk, seed=3, depth=6, width=4)
+    best = beam_search(CStateWalk, seed=args.seed, depth=args.depth, width=args.width)
     for node in best:
-        truth = replay_return(CStateWalk, 3, node.actions)
+        truth = replay_return(CStateWalk, args.seed, node.actions)
         print(f"actions {node.actions}  return {node.ret:+.2f}  replayed {truth:+.2f}")
+    print("its search tree: gym-fork lineage")
