@@ -2,6 +2,12 @@
 CartPole-v1 with fork(), drawn with ``gym-fork lineage --html/--png``.
 
     .venv/bin/python docs/guides/lineage_demo.py [--out docs/images] [--depth 3]
+    .venv/bin/python docs/guides/lineage_demo.py --log PATH   # log there, draw nothing
+
+By default it logs to a temporary file and draws that log's one tree into ``--out``.
+With ``--log PATH`` its tree is appended to the lineage log PATH as any run's is
+(``gym-fork lineage PATH`` shows it, headed by its time and script), and it draws
+pictures only when ``--out`` is given too.
 
 At each depth the current node is expanded: one ``fork(copies=2)`` tries both actions,
 then each child is scored by 4 reseeded random rollouts (a branch of its own). The
@@ -22,7 +28,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork import ForkVectorEnv
-from gym_fork.lineage import read_log, render_html, render_png
+from gym_fork.lineage import read_log, read_logs, render_html, render_png
 
 
 def cartpole() -> gym.Env:
@@ -79,12 +85,20 @@ def search(log_path: str | os.PathLike, depth: int = 3, rollout_steps: int = 60)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="docs/images")
-    parser.add_argument("--depth", type=int, default=3)
+    parser = argparse.ArgumentParser(description="A lookahead search over CartPole-v1.")
+    parser.add_argument("--out", help="where to write the pictures (default: docs/images)")
+    parser.add_argument("--depth", type=int, default=3, help="levels of the search (default 3)")
+    parser.add_argument(
+        "--log", help="append the tree to this lineage log (default: a temporary one)"
+    )
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.log:
+        node, chosen = search(args.log, args.depth)
+        node.close()
+        print(f"actions chosen: {chosen}; its tree: gym-fork lineage {args.log}")
+        if args.out:
+            draw(read_logs(args.log), Path(args.out), chosen)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "lineage.jsonl"
         node, chosen = search(log, args.depth)
@@ -92,12 +106,20 @@ def main() -> None:
             events = read_log(log)  # taken while the final node still runs
         finally:
             node.close()
-    title = f"Lookahead search over CartPole-v1 (actions chosen: {chosen})"
-    (out / "lineage-demo.html").write_text(render_html(events, title=title, source="demo"))
-    render_png(events, out / "lineage-demo.png", title=title)
+    out = Path(args.out or "docs/images")
+    draw(events, out, chosen)
     with open(out / "lineage-demo.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(e, sort_keys=True) + "\n" for e in events)
     print(f"wrote {out}/lineage-demo.html, .png and .jsonl")
+
+
+def draw(events: list[dict], out: Path, chosen: list[int]) -> None:
+    """The HTML page and PNG of the latest tree named cartpole-root in ``events``."""
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"Lookahead search over CartPole-v1 (actions chosen: {chosen})"
+    page = render_html(events, title=title, source="demo", root="cartpole-root")
+    (out / "lineage-demo.html").write_text(page)
+    render_png(events, out / "lineage-demo.png", title=title, root="cartpole-root")
 
 
 if __name__ == "__main__":
