@@ -350,20 +350,3 @@ def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> No
     raise like_builtin(SandboxStartError, type_name)(
         f"{what} could not prepare the env_fns: {error}\n{str(reply.get('traceback', ''))[:20000]}"
     )
-
-
-def make_host(config: HostConfig) -> Host:
-    """The backend ``config.kind`` names, with its warm parent started and prepared."""
-    if config.kind == "process":
-        from gym_fork.hosts.process.host import ProcessHost
-
-        return ProcessHost(config)
-    if config.kind == "microvm":
-        from gym_fork.hosts.microvm.host import MicroVMHost
-
-        return MicroVMHost(config)
-    if config.kind == "inline":
-        from gym_fork.hosts.inline import InlineHost
-
-        return InlineHost(config)
-    raise ValueError(f"`host` must be one of {sorted(HOST_KINDS)}, got {config.kind!r}")

@@ -11,13 +11,11 @@ import subprocess
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 from gymnasium import logger
 
-import gym_fork
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import (
     AskWorker,
@@ -31,26 +29,21 @@ from gym_fork.hosts.base import (
     raise_prepare_failure,
 )
 from gym_fork.hosts.output import OutputCollector
+from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
-from gym_fork.hosts.process.sandbox import FDS_PER_SANDBOX
+from gym_fork.hosts.process.zygote import warm_parent_environment
 from gym_fork.system import cgroups
-from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit, wait_readable
+from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit
 from gym_fork.system.measure import Measured, measure
 from gym_fork.system.scratch import sweep
 from gym_fork.transport.channel import Channel
-from gym_fork.transport.control import recv_message, send_message
+from gym_fork.transport.control import MAX_FDS
 from gym_fork.worker import protocol as P
 
 # Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
-assert SPAWN_BATCH * FDS_PER_SANDBOX <= 253
-
-_PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
-
-# Set in every warm parent's environment to the controller's pid, and so inherited by
-# every sandbox and whatever it starts: leak checks find a tree's processes by it.
-SANDBOX_MARKER = "GYM_FORK_SANDBOX"
+assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
 class SandboxLink:
@@ -66,32 +59,28 @@ class SandboxLink:
         self.sock.close()
 
 
-def adopt_pidfds(local_pids: list[int], reply: dict, fds: list[int]) -> list[ProcessWatch]:
+def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> list[ProcessWatch]:
     """Watches (pidfds, with pids in the controller's namespace) of the processes a
     warm parent or worker reported as ``local_pids``, from the pidfds that came with its
-    ``reply``. A peer that sends anything but a pidfd of each process is refused: the
-    controller never signals or inspects a pid it was merely told."""
-    present = reply.get("pidfds")
+    reply (``present``: which did). A peer that sends anything but a pidfd of each
+    process is refused: the controller never signals or inspects a pid it was merely
+    told."""
     rest = list(fds)
     watches: list[ProcessWatch] = []
     try:
-        if (
-            not isinstance(present, list)
-            or len(present) != len(local_pids)
-            or sum(bool(p) for p in present) != len(fds)
-        ):
+        if len(present) != len(local_pids):
             raise SandboxStartError(f"expected a pidfd per process, got {len(fds)}")
         for local, has_fd in zip(local_pids, present, strict=True):
             if not has_fd:  # reaped already: a watch that says dead
-                watches.append(ProcessWatch(int(local), -1))
+                watches.append(ProcessWatch(local, -1))
                 continue
             fd = rest.pop(0)
             pids = pidfd_pids(fd)
-            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else int(local), fd))
-            if not pids or pids[-1] not in (int(local), -1):
+            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else local, fd))
+            if not pids or pids[-1] not in (local, -1):
                 raise SandboxStartError(f"not a pidfd of process {local}")
     except BaseException:
-        _close_all(rest)
+        M.close_fds(rest)
         for watch in watches:
             watch.close()
         raise
@@ -137,13 +126,8 @@ class SandboxEnds:
             watch,
             list(self.spec.origins),
             output=self.output,
-            host_data=SandboxLink(self.ours, int(local_pid)),
+            host_data=SandboxLink(self.ours, local_pid),
         )
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def _in_batches(items: Sequence[Any], slab_fds: Sequence[int], make) -> list[WorkerHandle]:
@@ -222,26 +206,18 @@ class EnvModules:
 _env_modules = EnvModules()
 
 
-def warm_parent_environment() -> dict[str, str]:
-    """The environment of a warm parent: the controller's, with gym_fork importable
-    and the leak-check marker set."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env[SANDBOX_MARKER] = str(os.getpid())
-    return env
-
-
-def _start_warm_parent(timeout: float | None) -> tuple[socket.socket, Any]:
-    """A new warm parent and the socket to it: a fork of the controller's zygote, or
-    (zygotes off or failing) a fresh interpreter. The process object offers
-    ``pid``, ``poll``, ``wait`` and ``kill``."""
+def _start_warm_parent(
+    timeout: float | None,
+) -> tuple[socket.socket, ProcessWatch, subprocess.Popen | None]:
+    """A new warm parent, the socket to it and a watch of it: a fork of the controller's
+    zygote, or (zygotes off or failing) a fresh interpreter, then also its Popen (ours
+    to reap)."""
     env = warm_parent_environment()
     forked = zygote.fork_warm_parent(env, 60.0 if timeout is None else timeout)
     if forked is not None:
-        return forked
-    return zygote.start_interpreter("gym_fork.hosts.process.parent", env)
+        return (*forked, None)
+    sock, process = zygote.start_interpreter("gym_fork.hosts.process.parent", env)
+    return sock, ProcessWatch(process.pid), process
 
 
 class ProcessHost(SharedByBranches):
@@ -260,8 +236,8 @@ class ProcessHost(SharedByBranches):
         raise_fd_limit()
         self._lock = threading.Lock()
         self.sock: socket.socket | None = None
-        self.watch: ProcessWatch | None = None
-        self.process: Any = None  # subprocess.Popen or zygote.ForkedParent
+        self.watch: ProcessWatch | None = None  # of the warm parent process we started
+        self.process: subprocess.Popen | None = None  # that process, if our child
         # Every sandbox made from this warm parent that the controller still holds (of
         # the vector env and of its branches), weakly: see tree().
         self._handles: weakref.WeakValueDictionary[int, WorkerHandle] = (
@@ -270,10 +246,10 @@ class ProcessHost(SharedByBranches):
         self._handle_ids = itertools.count()
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         try:
-            message = init_message(config)
+            recipe = init_message(config)
             while True:
-                reply, parent = self._start(config, message)
-                if not _env_modules.made_unsafe(message["env_fns"], reply.get("preimported")):
+                reply, parent = self._start(config, recipe)
+                if not _env_modules.made_unsafe(recipe["env_fns"], reply.preimported):
                     break
                 # Its pre-import left threads or a GPU context in the warm parent: never
                 # fork from that; again without pre-import (remembered for these env_fns).
@@ -286,39 +262,32 @@ class ProcessHost(SharedByBranches):
         self.pid = parent.pid
         parent.close()
         self.gpu_pid: int | None = self.pid
-        self.tree_isolation = reply.get("isolation", {})
+        self.tree_isolation = reply.isolation
 
-    def _start(self, config: HostConfig, message: dict) -> tuple[dict, ProcessWatch]:
+    def _start(self, config: HostConfig, recipe: dict[str, Any]) -> tuple[M.Ready, ProcessWatch]:
         """Start a warm parent and have it prepare; its ready reply and a watch of it."""
-        self.sock, self.process = _start_warm_parent(config.start_timeout)
-        watch = getattr(self.process, "watch", None)  # a zygote's fork: by its pidfd
-        self.watch = watch() if watch is not None else ProcessWatch(self.process.pid)
+        self.sock, self.watch, self.process = _start_warm_parent(config.start_timeout)
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.
-        known = _env_modules.known(message["env_fns"])
-        message["preimport"] = {"enabled": True, **(known or {})}
-        message["controller_pid"] = os.getpid()
-        message["die_with_controller"] = threading.current_thread() is threading.main_thread()
-        message["isolation"] = cloudpickle.dumps(config.isolation)
-        send_message(self.sock, message)
-        reply, fds = self._request_reply(config.start_timeout, what="warm parent start")
-        if reply["op"] != "ready":
-            _close_all(fds)
-            raise_prepare_failure(reply, "the warm parent", trusted=config.trusted)
-        (parent,) = adopt_pidfds([reply["pid"]], reply, fds)
+        known = _env_modules.known(recipe["env_fns"])
+        init = M.Init(
+            recipe=recipe,
+            preimport={"enabled": True, **(known or {})},
+            controller_pid=os.getpid(),
+            die_with_controller=threading.current_thread() is threading.main_thread(),
+            isolation=cloudpickle.dumps(config.isolation),
+        )
+        M.send(self.sock, init)
+        reply, fds = M.receive_reply(
+            self.sock, config.start_timeout, "the warm parent's start", M.Ready, M.PrepareFailed
+        )
+        if isinstance(reply, M.PrepareFailed):
+            raise_prepare_failure(vars(reply), "the warm parent", trusted=config.trusted)
+        (parent,) = adopt_pidfds([reply.pid], reply.pidfds, fds)
         if known is None:
-            _env_modules.learn(message["env_fns"], reply.get("preimported"))
+            _env_modules.learn(recipe["env_fns"], reply.preimported)
         return reply, parent
-
-    def _request_reply(self, timeout: float | None, what: str) -> tuple[dict, list[int]]:
-        if not wait_readable(self.sock.fileno(), timeout):
-            raise SandboxStartError(f"{what}: no answer within {timeout} s")
-        try:
-            return recv_message(self.sock)
-        except (EOFError, ConnectionError) as exc:
-            code = self.process.poll()
-            raise SandboxStartError(f"{what}: the warm parent died (exit code {code})") from exc
 
     def spawn(
         self,
@@ -363,38 +332,32 @@ class ProcessHost(SharedByBranches):
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
             fds += [slab_fd, *end.fds()]
-        message = {
-            "op": "spawn",
-            "attach": attach,
-            "workers": [
-                {
-                    "name": spec.name,
-                    "indices": spec.indices,
-                    "origins": spec.origins,
-                    "ring_capacity": ring_capacity,
-                }
-                for spec in specs
-            ],
-        }
+        request = M.Spawn(
+            [M.SandboxSpec(s.name, list(s.indices), list(s.origins), ring_capacity) for s in specs],
+            attach,
+        )
 
-        def exchange() -> tuple[dict, list[ProcessWatch]]:
+        def exchange() -> tuple[M.Message, list[ProcessWatch]]:
+            what = f"spawn {specs[0].name}"
             with self._lock:
-                send_message(self.sock, message, fds=tuple(fds))
-                reply, pidfds = self._request_reply(60.0, what=f"spawn {specs[0].name}")
-            if reply["op"] != "spawned":
-                _close_all(pidfds)
+                M.send(self.sock, request, fds)
+                reply, pidfds = M.receive_reply(self.sock, 60.0, what, M.Spawned, M.Refused)
+            if isinstance(reply, M.Refused):
                 return reply, []
-            return reply, adopt_pidfds(list(reply["pids"]), reply, pidfds)
+            if len(reply.pids) != len(specs):
+                M.close_fds(pidfds)
+                raise SandboxStartError(f"{what}: {len(reply.pids)} pids for {len(specs)}")
+            return reply, adopt_pidfds(reply.pids, reply.pidfds, pidfds)
 
         reply, watches = hand_over(ends, exchange)
-        if reply["op"] != "spawned":
+        if isinstance(reply, M.Refused):
             for end in ends:
                 end.abort()
-            raise SandboxStartError(f"spawn {specs[0].name}: {reply.get('error')}")
-        self._note_discarded_idle(reply.get("idle_discarded"))
+            raise SandboxStartError(f"spawn {specs[0].name}: {reply.error}")
+        self._note_discarded_idle(reply.idle_discarded)
         return [
             end.handle(pid, watch)
-            for end, pid, watch in zip(ends, reply["pids"], watches, strict=True)
+            for end, pid, watch in zip(ends, reply.pids, watches, strict=True)
         ]
 
     def fork(
@@ -428,26 +391,25 @@ class ProcessHost(SharedByBranches):
         link: SandboxLink = source.host_data
 
         def exchange() -> tuple[list[int], list[ProcessWatch]]:
-            send_message(link.sock, {"op": "fork"}, fds=tuple(fds))
+            M.send(link.sock, M.CloneFds(len(orders)), fds)
             arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
             pids = ask(P.FORK, arg)
             # The worker sent a pidfd of each clone on its side socket before replying.
-            if not wait_readable(link.sock.fileno(), 5.0):
-                raise SandboxStartError(f"fork of {source.name}: no pidfds for the clones")
-            reply, pidfds = recv_message(link.sock)
-            if not isinstance(reply, dict) or reply.get("pids") != list(pids):
-                _close_all(pidfds)
-                raise SandboxStartError(f"fork of {source.name}: pidfds do not match")
-            return pids, adopt_pidfds(list(pids), reply, pidfds)
+            what = f"fork of {source.name}"
+            reply, pidfds = M.receive_reply(link.sock, 5.0, what, M.ClonesForked)
+            if reply.pids != list(pids):
+                M.close_fds(pidfds)
+                raise SandboxStartError(f"{what}: pidfds do not match")
+            return pids, adopt_pidfds(reply.pids, reply.pidfds, pidfds)
 
         pids, watches = hand_over(ends, exchange)
         return [end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)]
 
-    def _note_discarded_idle(self, discarded: Any) -> None:
+    def _note_discarded_idle(self, discarded: list[list[Any]]) -> None:
         """The warm parent found idle sandboxes stopped when it was to hand them a spec:
         it killed them and forked fresh ones (gym_fork/hosts/process/idle.py). Only a
         process of the tree can have stopped them: say so, naming its sandboxes."""
-        if not isinstance(discarded, list) or not discarded:
+        if not discarded:
             return
         suspects = ", ".join(f"{h.name} (pid {h.pid})" for h in self.tree()) or "none"
         logger.warn(
@@ -461,7 +423,7 @@ class ProcessHost(SharedByBranches):
 
     def alive(self) -> bool:
         """Health check of the warm parent (its sandboxes die with it)."""
-        return self.sock is not None and self.process.poll() is None
+        return self.sock is not None and self.watch is not None and self.watch.alive()
 
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """Exit code of a worker (negative: signal), None if unknown or running."""
@@ -470,13 +432,11 @@ class ProcessHost(SharedByBranches):
         with self._lock:
             local_pid = getattr(worker.host_data, "local_pid", worker.pid)
             try:
-                send_message(self.sock, {"op": "status", "pid": local_pid})
-                reply, fds = self._request_reply(2.0, what="status")
-                _close_all(fds)
-                code = reply.get("code")
-            except (OSError, SandboxStartError, EOFError):
+                M.send(self.sock, M.WorkerStatus(local_pid))
+                reply, _ = M.receive_reply(self.sock, 2.0, "status", M.WorkerExit)
+            except (OSError, SandboxStartError):
                 return None
-        return code if isinstance(code, int) else None
+        return reply.code
 
     def check_slab(self, nbytes: int) -> None:
         """Any slab fits: it is a memfd of the size the vector env asks for."""
@@ -606,19 +566,18 @@ class ProcessHost(SharedByBranches):
         sock, self.sock = self.sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
-                send_message(sock, {"op": "exit"})
+                M.send(sock, M.Exit())
             sock.close()
-        if self.process is not None:
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()  # its tree's init dies with it (PDEATHSIG)
-                self.process.wait()
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            if not watch.wait_dead(timeout):
+                watch.kill()  # its tree's init dies with it (PDEATHSIG)
+                watch.wait_dead(5.0)
+            if self.process is not None:
+                self.process.wait()  # our child: reap it (a zygote reaps its forks)
             # It removes its tree's groups and scratch dirs itself, unless it was killed
             # (its tree is named by its host pid).
-            cgroups.remove_tree(self.process.pid)
-            sweep(self.process.pid)
+            cgroups.remove_tree(watch.pid)
+            sweep(watch.pid)
+            watch.close()
         self.process = None
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None

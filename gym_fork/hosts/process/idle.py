@@ -23,9 +23,9 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from gym_fork.transport.control import recv_message, send_message
+from gym_fork.errors import ControlMessageError
+from gym_fork.hosts.process import messages as M
 
 DEFAULT_SIZE = 2
 
@@ -91,9 +91,9 @@ class IdlePool:
             new.append(pid)
         return new
 
-    def assign(self, spec: dict, attach: bytes | None, fds: list[int]) -> int:
-        """Hand ``spec`` and ``fds`` to an idle sandbox; its pid, or 0 when none is left
-        usable. The caller closes its copies of ``fds``.
+    def assign(self, assignment: M.Assign, fds: list[int]) -> int:
+        """Hand ``assignment`` and ``fds`` to an idle sandbox; its pid, or 0 when none is
+        left usable. The caller closes its copies of ``fds``.
 
         An idle sandbox that is stopped (another sandbox of the tree can SIGSTOP it: one
         pid namespace, one uid) or dead is never handed a spec: it is killed (it is our
@@ -108,7 +108,7 @@ class IdlePool:
                         self.discarded.append([idle.pid, state])
                     _kill(idle.pid)
                     continue
-                send_message(idle.sock, {"spec": spec, "attach": attach}, fds=tuple(fds))
+                M.send(idle.sock, assignment, fds)
                 return idle.pid
             except OSError:
                 _kill(idle.pid)
@@ -164,14 +164,15 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)  # not reaped yet: still ours
 
 
-def await_assignment(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def await_assignment(sock: socket.socket) -> tuple[M.Assign, list[int]]:
     """In an idle sandbox: block until the warm parent hands over a spec and fds; exit
-    quietly if it closes the socket instead (the tree is going away)."""
+    quietly if it closes the socket instead (the tree is going away), with 70 if what
+    came is not an assignment."""
     try:
-        message, fds = recv_message(sock)
+        message, fds = M.receive(sock, M.Assign)
+    except ControlMessageError:
+        os._exit(70)
     except (EOFError, ConnectionError, OSError):
         os._exit(0)
     sock.close()
-    if not isinstance(message, dict) or len(fds) != 5:
-        os._exit(70)
     return message, fds

@@ -1,7 +1,7 @@
 """The warm parent: a clean interpreter that prepares once and forks worker sandboxes.
 
 Started by :class:`gym_fork.hosts.process.host.ProcessHost`: forked by the controller's
-zygote (``gym_fork.hosts.process.zygote``, a clean pre-imported interpreter), or as
+zygote (``gym_fork.hosts.process.zygote_program``, a clean pre-imported interpreter), or as
 ``python -m gym_fork.hosts.process.parent FD``; never forked from the user's process,
 which may hold threads, locks or a CUDA context. It receives the env_fns, imports
 what they need once (unpickling them does), optionally builds and warms one prototype
@@ -27,20 +27,16 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import cloudpickle
 
 from gym_fork.hosts.base import prepare_failure
+from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.idle import IdlePool, await_assignment
 from gym_fork.hosts.process.idle import pool_size as idle_pool_size
-from gym_fork.hosts.process.sandbox import (
-    FDS_PER_SANDBOX,
-    redirect_output,
-    run_as_sandbox,
-    send_with_pidfds,
-    serve,
-)
+from gym_fork.hosts.process.sandbox import redirect_output, run_as_sandbox, serve
 from gym_fork.system import cgroups, confine, linux
 from gym_fork.system.isolation import (
     Isolation,
@@ -50,7 +46,6 @@ from gym_fork.system.isolation import (
     isolate_tree,
 )
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
-from gym_fork.transport.control import recv_message, send_message
 from gym_fork.worker.prepare import EnvRecipe
 
 
@@ -76,21 +71,19 @@ class WarmParent:
         self.is_init = bool(tree.tree.get("pid"))
         self.idle = IdlePool(idle_pool_size(), self._become_idle)
 
-    def spawn(self, message: dict, fds: list[int]) -> list[int]:
-        """Fork one worker per entry of ``message['workers']``; fds: FDS_PER_SANDBOX per
-        worker (its own slab, channel, side socket, stdout, stderr). Returns their pids
-        (in the tree's pid namespace)."""
-        per = FDS_PER_SANDBOX
-        if len(fds) != per * len(message["workers"]):
-            raise RuntimeError(f"spawn: expected {per * len(message['workers'])} fds")
+    def spawn(self, request: M.Spawn, fds: list[int]) -> list[int]:
+        """Fork one worker per spec of ``request``; fds: FDS_PER_SANDBOX per worker (its
+        own slab, channel, side socket, stdout, stderr). Returns their pids (in the
+        tree's pid namespace)."""
+        per = M.FDS_PER_SANDBOX
         sys.stdout.flush()
         sys.stderr.flush()
-        attach = self.recipe.attach_arg(message.get("attach"))
+        attach = self.recipe.attach_arg(request.attach)
         self.reap()  # an idle sandbox that died is out of the pool
         pids = []
-        for k, spec in enumerate(message["workers"]):
+        for k, spec in enumerate(request.workers):
             own = fds[per * k : per * (k + 1)]
-            pid = self.idle.assign(spec, message.get("attach"), own)
+            pid = self.idle.assign(M.Assign(spec, request.attach), own)
             if pid == 0:
                 pid = os.fork()
                 if pid == 0:
@@ -108,7 +101,7 @@ class WarmParent:
         return pids
 
     def _become_worker(
-        self, spec: dict, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
+        self, spec: M.SandboxSpec, channel_fd: int, slab_fd: int, sock_fd: int, attach: dict | None
     ) -> None:
         def body() -> None:
             self._leave_parent()
@@ -130,7 +123,7 @@ class WarmParent:
 
     def _serve(
         self,
-        spec: dict,
+        spec: M.SandboxSpec,
         channel_fd: int,
         slab_fd: int,
         sock_fd: int,
@@ -140,7 +133,7 @@ class WarmParent:
         """Serve as the worker of ``spec`` (gym_fork/hosts/process/sandbox.py)."""
         serve(
             channel_fd,
-            spec["ring_capacity"],
+            spec.ring_capacity,
             slab_fd,
             sock_fd,
             spec,
@@ -151,7 +144,7 @@ class WarmParent:
             entered=entered,
         )
 
-    def preimport(self, request: dict) -> dict | None:
+    def preimport(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Import what building ``env_fns[0]`` imports, so that sandboxes share those
         modules (gym_fork/hosts/process/preimport.py): the names the controller already
         knows (vetted against the time they were learnt), or those a throw-away sandbox
@@ -198,12 +191,12 @@ class WarmParent:
             scratch, achieved = enter_sandbox(
                 self.isolation_config, self.tree_isolation, self.pid, None
             )
-            message, fds = await_assignment(sock)
+            assigned, fds = await_assignment(sock)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)
-            attach = self.recipe.attach_arg(message.get("attach"))
+            attach = self.recipe.attach_arg(assigned.attach)
             entered = (scratch, achieved.report())
-            self._serve(message["spec"], channel_fd, slab_fd, sock_fd, attach, entered)
+            self._serve(assigned.spec, channel_fd, slab_fd, sock_fd, attach, entered)
 
         run_as_sandbox(body)
 
@@ -278,29 +271,25 @@ class WarmParent:
                     self.spawned.update(self.idle.fill())
                     refill_due = False
                 continue
-            try:
-                message, fds = recv_message(self.sock)
+            try:  # a bad message too: the controller's bug, nothing to serve on
+                message, fds = M.receive(self.sock, M.Spawn, M.WorkerStatus, M.Exit)
             except (EOFError, ConnectionError):
                 return
-            op = message["op"]
-            if op == "spawn":
+            if isinstance(message, M.Spawn):
                 try:
                     pids = self.spawn(message, fds)
                 except Exception as exc:
-                    send_message(self.sock, {"op": "error", "error": repr(exc)})
+                    M.send(self.sock, M.Refused(repr(exc)))
                 else:
-                    reply = {"op": "spawned", "pids": pids}
-                    discarded = self.idle.take_discarded()  # stopped: the controller warns
-                    if discarded:
-                        reply["idle_discarded"] = discarded
-                    send_with_pidfds(self.sock, reply, pids)
+                    # Stopped idle sandboxes it killed: the controller warns.
+                    reply = M.Spawned(pids, self.idle.take_discarded())
+                    M.send_with_pidfds(self.sock, reply, pids)
                     self.idle.note_request()
                     refill_due = True
-            elif op == "status":
+            elif isinstance(message, M.WorkerStatus):
                 self.reap()
-                code = self.exit_codes.get(message["pid"])
-                send_message(self.sock, {"op": "status", "code": code})
-            elif op == "exit":
+                M.send(self.sock, M.WorkerExit(self.exit_codes.get(message.pid)))
+            else:
                 return
 
 
@@ -378,15 +367,15 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        message, _ = recv_message(sock)
+        init, _ = M.receive(sock, M.Init)
     except (EOFError, ConnectionError):
         return
     if controller is None:
-        controller = _watch_controller(message["controller_pid"])
-        if message.get("die_with_controller"):
+        controller = _watch_controller(init.controller_pid)
+        if init.die_with_controller:
             # SIGTERM (not SIGKILL) so that the cleanup below still runs.
-            linux.die_with_parent(message["controller_pid"], signal.SIGTERM)
-    config = cloudpickle.loads(message["isolation"])
+            linux.die_with_parent(init.controller_pid, signal.SIGTERM)
+    config = cloudpickle.loads(init.isolation)
     # No sandbox of the tree may have the controller's terminal as its controlling
     # terminal (TIOCSTI on it would type commands into the user's shell). Given up, not
     # left by setsid(): a new session is a new scheduler autogroup, which halved the
@@ -405,21 +394,15 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
     parent = WarmParent(sock, config, tree, controller)
     try:
         try:
-            parent.recipe.prepare(message)
+            parent.recipe.prepare(init.recipe)
         except Exception as exc:
-            send_message(sock, prepare_failure(exc))
+            failure = prepare_failure(exc)
+            del failure["op"]
+            M.send(sock, M.PrepareFailed(**failure))
             return
-        preimported = parent.preimport(message.get("preimport") or {})
-        send_with_pidfds(
-            sock,
-            {
-                "op": "ready",
-                "pid": os.getpid(),
-                "isolation": tree.report(),
-                "preimported": preimported,
-            },
-            [os.getpid()],
-        )
+        preimported = parent.preimport(init.preimport)
+        ready = M.Ready(os.getpid(), tree.report(), preimported)
+        M.send_with_pidfds(sock, ready, [os.getpid()])
         parent.serve()
     except (EOFError, ConnectionError):
         pass

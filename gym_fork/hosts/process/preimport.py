@@ -36,8 +36,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-
-import gym_fork
+from pathlib import Path
 
 MAX_REPORT_BYTES = 4 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -263,7 +262,7 @@ def _installed(path: str) -> bool:
     parts = real.split(os.sep)
     if "site-packages" in parts or "dist-packages" in parts:
         return True
-    ours = os.path.realpath(os.path.dirname(os.path.dirname(gym_fork.__file__)))
+    ours = os.path.realpath(Path(__file__).parents[3])  # the directory holding gym_fork
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         root = os.path.realpath(entry) if entry else ""
         if root and root != ours and real.startswith(root + os.sep):

@@ -1,0 +1,159 @@
+"""The zygote program: one clean, pre-imported interpreter per controller that forks
+warm parents (its client, the controller's side: ``zygote.py``).
+
+Started as ``python -m gym_fork.hosts.process.zygote_program FD``, it imports what a
+warm parent imports, builds the seccomp filter, freezes those objects for copy-on-write
+and answers each ForkWarmParent with a fork that runs ``parent.run``. It reaps its warm
+parents and keeps nothing of them: the controller watches each by its pidfd. It exits
+when the controller closes the socket or dies (watched through a pidfd), or, retired,
+once its last warm parent has exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import resource
+import select
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+# What every warm parent imports, once: its forks share these pages.
+import gymnasium.envs.registration  # noqa: F401
+
+from gym_fork.hosts.process import messages as M
+from gym_fork.hosts.process import parent
+from gym_fork.system import confine, linux
+
+
+def apply_process_state(state: dict[str, Any]) -> None:
+    """In a warm parent forked by a zygote: take on the controller's process state
+    (gym_fork.hosts.process.zygote.process_state; each part best effort: a limit the
+    zygote cannot set is left as it is)."""
+    if isinstance(state.get("umask"), int):
+        os.umask(state["umask"])
+    for name, (soft, hard) in (state.get("rlimits") or {}).items():
+        if name.startswith("RLIMIT_") and hasattr(resource, name):
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        os.sched_setaffinity(0, state["affinity"])
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        os.setpriority(os.PRIO_PROCESS, 0, state["nice"])
+
+
+class ZygoteProcess:
+    """The zygote's own state: the warm parents it forked and not yet reaped."""
+
+    def __init__(self, sock: socket.socket, controller: int) -> None:
+        self.sock = sock
+        self.controller = controller
+        self.children: set[int] = set()
+        self.retired = False
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+
+    def serve(self) -> None:
+        watched = [self.sock, self.controller]
+        while True:
+            readable, _, _ = select.select(watched, [], [], 0.2)
+            self.reap()
+            if self.controller in readable:
+                return  # the controller died
+            if self.retired and not self.children:
+                return
+            if self.sock not in readable:
+                continue
+            try:
+                message, fds = M.receive(self.sock, M.ForkWarmParent, M.Retire)
+            except (EOFError, ConnectionError):  # a bad message too: the controller's bug
+                if not self.retired:
+                    return
+                watched = [self.controller]
+                continue
+            if isinstance(message, M.Retire):
+                self.retired = True
+            elif self.retired:
+                M.close_fds(fds)
+            else:
+                self.fork(message, *fds)
+
+    def fork(self, request: M.ForkWarmParent, parent_end: int, out_fd: int, err_fd: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        me = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN, ENOMEM: this request fails, the zygote serves on
+            M.close_fds([parent_end, out_fd, err_fd])
+            M.send(self.sock, M.Refused(f"zygote fork: {exc}"))
+            return
+        if pid == 0:
+            self._become_warm_parent(me, request, parent_end, out_fd, err_fd)
+        M.close_fds([parent_end, out_fd, err_fd])
+        self.children.add(pid)
+        M.send_with_pidfds(self.sock, M.WarmParentForked(pid), [pid])
+
+    def _become_warm_parent(
+        self, zygote: int, request: M.ForkWarmParent, parent_end: int, out_fd: int, err_fd: int
+    ) -> None:
+        code = 1
+        try:
+            linux.die_with_parent(zygote, signal.SIGTERM)  # SIGTERM: the cleanup runs
+            self.sock.close()
+            os.dup2(out_fd, 1)
+            os.dup2(err_fd, 2)
+            M.close_fds([out_fd, err_fd])
+            os.environ.clear()
+            os.environ.update(request.environ)
+            apply_process_state(request.state)
+            parent.run(socket.socket(fileno=parent_end), controller=self.controller)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
+    controller_pid = os.getppid()
+    try:
+        controller = os.pidfd_open(controller_pid)
+    except ProcessLookupError:
+        os._exit(70)
+    if os.getppid() != controller_pid:
+        os._exit(70)  # the controller died before we watched it
+    with contextlib.suppress(Exception):  # a warm parent reports the reason itself
+        confine.prepare_seccomp()  # built once (~8 ms); every fork only loads it
+    gc.collect()
+    gc.freeze()
+    zygote = ZygoteProcess(sock, controller)
+    try:
+        M.send(sock, M.ZygoteReady(os.getpid()))
+        zygote.serve()
+    except (OSError, EOFError):
+        pass
+
+
+if __name__ == "__main__":
+    main()
