@@ -1,16 +1,13 @@
 """Branching: clone running sub-envs into the sandboxes of a new vector env.
 
-Every argument is checked before anything is allocated; then each source worker's
-host clones it (a process forks, a VM is copied), and the branch's slab starts from
-its sources' last results, row by row.
+The fork's arguments arrive checked (:func:`gym_fork.vector.frontend.plan_fork`, before
+anything is allocated); then each source worker's host clones it (a process forks, a VM
+is copied), and the branch's slab starts from its sources' last results, row by row.
 """
 
 from __future__ import annotations
 
-import numbers
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,66 +18,9 @@ from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import CloneOrder, WorkerHandle
 
-from .config import check_sandbox_count
-from .lifecycle import Sandboxes, live_sandboxes
+from .frontend import ForkPlan
+from .lifecycle import Sandboxes
 from .spaces import VectorSpaces
-
-
-@dataclass(frozen=True)
-class ForkPlan:
-    """A checked fork request: branch sub-env j continues source sub-env ``sources[j]``."""
-
-    branch_id: str
-    indices: list[int]
-    copies: int
-    sources: list[int]
-    seeds: list[int | None]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
-def plan_fork(branch_id: Any, indices: Any, copies: Any, reseed: Any, num_envs: int) -> ForkPlan:
-    """Check a fork's arguments (TypeError/ValueError naming the bad one), before any
-    allocation."""
-    if not isinstance(branch_id, str) or not branch_id:
-        raise TypeError(f"branch_id must be a non-empty str, got {branch_id!r}")
-    if indices is None:
-        indices = range(num_envs)
-    elif isinstance(indices, str | bytes) or not isinstance(indices, Sequence | np.ndarray):
-        raise TypeError(f"fork indices must be a sequence of ints, got {indices!r}")
-    if len(indices) == 0:
-        raise ValueError("fork indices must name at least one sub-env")
-    bad = [i for i in indices if not _is_int(i)]
-    if bad:
-        raise TypeError(f"fork indices must be ints, got {bad[:5]!r}")
-    indices = [int(i) for i in indices]
-    outside = [i for i in indices if not 0 <= i < num_envs]
-    if outside:
-        raise ValueError(f"fork indices must be in [0, {num_envs}), got {outside[:5]}")
-    if not _is_int(copies) or copies < 1:
-        raise ValueError(f"copies must be an int >= 1, got {copies!r}")
-    n = len(indices) * int(copies)
-    check_sandbox_count(live_sandboxes() + n, f"fork({branch_id!r})")
-    if reseed is None:
-        seeds: list[int | None] = [None] * n
-    elif _is_int(reseed):
-        seeds = [int(reseed) + j for j in range(n)]
-    elif isinstance(reseed, Sequence | np.ndarray) and not isinstance(reseed, str | bytes):
-        if len(reseed) != n:
-            raise ValueError(f"reseed needs one seed per branch sub-env ({n}), got {len(reseed)}")
-        wrong = [s for s in reseed if s is not None and not _is_int(s)]
-        if wrong:
-            raise TypeError(f"reseed must hold ints or None, got {wrong[:5]!r}")
-        seeds = [None if s is None else int(s) for s in reseed]
-    else:
-        raise TypeError(f"reseed must be None, an int or one seed per sub-env, got {reseed!r}")
-    negative = [s for s in seeds if s is not None and s < 0]
-    if negative:
-        raise ValueError(f"seeds must be >= 0, got {negative[:5]}")
-    sources = [i for i in indices for _ in range(int(copies))]
-    return ForkPlan(branch_id, indices, int(copies), sources, seeds)
 
 
 def check_forkable(workers: list[WorkerHandle], pool) -> None:

@@ -91,37 +91,40 @@ class VectorConfig:
         cls,
         env_fns: Sequence[Callable],
         *,
-        worker: Callable | None,
-        autoreset_mode: str | AutoresetMode,
-        max_concurrency: int | None,
-        envs_per_worker: int | str,
-        ring_bytes: int,
-        reset_mode: str,
-        gpu_fork_policy: str,
-        host: str | None,
-        timeout: float | None,
-        trusted: bool | None,
-        namespaces: bool,
-        network: bool,
-        private_tmp: bool,
-        limits: SandboxLimits | None,
-        prepare: PrepareRecipe | None,
+        worker: Callable | None = None,
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        max_concurrency: int | None = None,
+        envs_per_worker: int | str = "auto",
+        ring_bytes: int = DEFAULT_RING_BYTES,
+        reset_mode: str = "in_place",
+        gpu_fork_policy: str = "refuse",
+        host: str | None = None,
+        timeout: float | None = None,
+        trusted: bool | None = None,
+        namespaces: bool = True,
+        network: bool = False,
+        private_tmp: bool = True,
+        limits: SandboxLimits | None = None,
+        prepare: PrepareRecipe | None = None,
         writable_paths: Sequence[str | os.PathLike] = (),
         tmpfs_bytes: int | None = None,
         **plain: Any,
     ) -> VectorConfig:
-        """Check every constructor argument; raise ValueError/TypeError naming the bad one."""
+        """Check every constructor argument; raise ValueError/TypeError naming the bad one.
+        The defaults are ForkVectorEnv's; ``plain`` are the fields taken as they are
+        (shared_memory, copy, context, daemon, observation_mode, check_actions, vm_*).
+        The sandbox ceiling is checked where sandboxes are made (``Sandboxes.start``)."""
+        unknown = set(plain) - _PLAIN_FIELDS
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
         if worker is not None:
             raise ValueError(
                 "ForkVectorEnv does not run custom pipe-based `worker` functions: its workers "
                 "speak over shared-memory rings. Use gymnasium.vector.AsyncVectorEnv for a "
                 "custom worker."
             )
-        num_envs = len(env_fns)
-        if num_envs == 0:
-            raise ValueError("ForkVectorEnv needs at least one env_fn")
         check_env_fns(env_fns)
-        check_sandbox_count(num_envs, "env_fns")
+        num_envs = len(env_fns)
         if max_concurrency is not None:
             if not isinstance(max_concurrency, int | np.integer):
                 raise ValueError(
@@ -224,6 +227,18 @@ class VectorConfig:
         ]
 
 
+def check_parent_count(num_envs: Any, kwargs: dict[str, Any]) -> int:
+    """``from_parent``'s ``num_envs`` as an int >= 1; one sandbox per sub-env."""
+    if kwargs.get("envs_per_worker", 1) != 1:
+        raise ValueError("from_parent clones one sandbox per sub-env: envs_per_worker=1")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer):
+        raise TypeError(f"num_envs must be an int, got {num_envs!r}")
+    if num_envs < 1:
+        raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    kwargs["envs_per_worker"] = 1
+    return int(num_envs)
+
+
 def check_sandbox_count(count: int, what: str) -> None:
     """Refuse more sandboxes than the per-controller ceiling allows, before allocating."""
     ceiling = max_sandboxes()
@@ -262,7 +277,12 @@ def checked_tmpfs_bytes(size: int | None) -> int | None:
 
 
 def check_env_fns(env_fns: Sequence[Callable]) -> None:
-    """Each env_fn must be a callable that builds an env (not an env already built)."""
+    """At least one env_fn, each a callable that builds an env (not an env already
+    built)."""
+    if isinstance(env_fns, str | bytes) or not isinstance(env_fns, Sequence):
+        raise TypeError(f"env_fns must be a list of functions that build envs, got {env_fns!r}")
+    if len(env_fns) == 0:
+        raise ValueError("a vector env needs at least one env_fn")
     for i, env_fn in enumerate(env_fns):
         built = not isinstance(env_fn, type) and hasattr(env_fn, "step")
         if callable(env_fn) and not built:
@@ -273,3 +293,18 @@ def check_env_fns(env_fns: Sequence[Callable]) -> None:
             f"env_fns[{i}] is a {what}{hint}, not a function that builds an env: pass "
             f"e.g. `lambda: gym.make(...)` instead of `gym.make(...)`"
         )
+
+
+# The fields from_arguments takes as they are (its ``**plain``).
+_PLAIN_FIELDS = frozenset(
+    {
+        "shared_memory",
+        "copy",
+        "context",
+        "daemon",
+        "observation_mode",
+        "check_actions",
+        "vm_memory_mb",
+        "vm_slab_mb",
+    }
+)

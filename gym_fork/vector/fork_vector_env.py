@@ -13,13 +13,12 @@ import copy as copy_module
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
-from gymnasium import Env, Space, logger
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium import Env, Space
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from gym_fork.errors import SandboxStartError
@@ -32,99 +31,72 @@ from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
 from . import provenance
-from .branching import clone_sandboxes, plan_fork
-from .config import VectorConfig, auto_envs_per_worker
+from .branching import clone_sandboxes
+from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
-from .lifecycle import Sandboxes
-from .requests import reset_mask, seeds_per_env, values_per_env
+from .frontend import AsyncFrontEnd, AsyncState
+from .lifecycle import Sandboxes, live_sandboxes
 from .spaces import ActionWriter, VectorSpaces, check_attached
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
 
-class ForkVectorEnv(VectorEnv):
+def _option(name: str) -> property:
+    """A read-only attribute that is the config's field ``name``."""
+    return property(attrgetter(f"config.{name}"), doc=f"The ``{name}`` option (read-only).")
+
+
+class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
     """Vectorized environment whose sub-envs run in forked, warm sandboxes.
 
-    Accepts every argument of :class:`gymnasium.vector.AsyncVectorEnv` and behaves the
-    same, with these documented differences (see docs/compatibility.md):
+    A drop-in :class:`gymnasium.vector.AsyncVectorEnv`: its arguments, attributes and
+    behaviour, with the deliberate differences of docs/compatibility.md (a failing
+    sub-env does not break the env; late replies after a ``*_wait`` timeout are dropped).
+    The options are read-only attributes of the same name (``envs.copy``,
+    ``envs.timeout``, ...), all held by the frozen ``envs.config``.
 
-    - ``context`` and ``daemon`` are accepted and recorded but have no effect: sandboxes
-      are forked from a clean warm parent process and always die with their controller.
-    - A failing sub-env does not break the vector env: the error is raised (with the
-      sub-env index and the worker's traceback attached as a note) and a later call
-      works; ``reset()`` replaces sandboxes that died.
-    - After a ``*_wait`` timeout the late replies are discarded, so the next call returns
-      its own results.
-
-    Besides AsyncVectorEnv's arguments (``env_fns``, ``shared_memory``, ``copy``,
-    ``context``, ``daemon``, ``worker``, ``observation_mode``, ``autoreset_mode``,
-    ``max_concurrency``), these keyword-only ones:
+    Args:
+        env_fns: one function per sub-env that builds it (cloudpickled to the sandboxes).
+        shared_memory: observations travel in shared memory (the slab), as Async.
+        copy: ``reset``/``step`` return a copy of the observations, as Async.
+        context: accepted for Async's signature; no effect (sandboxes are forked).
+        daemon: accepted for Async's signature; sandboxes always die with the controller.
+        worker: not supported (a pipe-based worker cannot run over the rings): ValueError.
+        observation_mode: ``"same"``, ``"different"`` or ``(batch, single)`` spaces.
+        autoreset_mode: Gymnasium's autoreset mode (all three are supported).
+        max_concurrency: at most this many sub-envs run ``reset``/``step`` at once.
 
     Keyword Args:
-        envs_per_worker: sub-envs hosted by one worker sandbox. ``"auto"`` (default) is
-            one sandbox per sub-env while there are more CPU cores than sub-envs, else
-            sub-envs spread evenly over one worker per core (fewer context switches;
-            worker-mates share a process). The grouping is fixed for the env's life:
-            :func:`gym_fork.autotune` measures the choices on an env and recommends one.
-            ``1`` forces one sandbox per sub-env.
-            Branches made by ``fork`` are always one sub-env per sandbox.
+        envs_per_worker: sub-envs per sandbox: ``"auto"`` (one per sub-env up to the core
+            count, then spread over one per core) or an int; fixed for the env's life
+            (:func:`gym_fork.autotune` recommends one).
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
-        network: give sandboxes the host's network (default False: an empty network
-            namespace, where the host allows one).
+        check_actions: refuse actions outside the action space before sending them.
+        reset_mode: ``"in_place"``, or ``"clone"``: each reset starts from a fresh clone
+            of the warm parent (docs/branching.md).
+        branch_id: this env's id in its lineage tree (default: a new one).
+        lineage_log: JSONL file of the lineage events (True: the default path; None or
+            False: none).
+        network: give sandboxes the host's network (default: an empty namespace).
         limits: :class:`SandboxLimits` (memory, CPU seconds, open files, processes).
         namespaces: isolate sandboxes with Linux namespaces where the host allows it.
-        gpu_fork_policy: what to do when a sandbox about to be forked holds a CUDA
-            context (CUDA does not survive fork): ``"refuse"`` (default) raises
-            :class:`gym_fork.gpu.ForkUnsafeError` naming the process and the evidence;
-            ``"clean"`` builds each sandbox cold from the env_fn instead of cloning the
-            warm parent (recorded in the lineage). A ``fork()`` of running sub-envs cannot
-            be done cleanly: it always refuses.
-        timeout: seconds any call (reset, step, call, set_attr) may take when no explicit
-            ``*_wait(timeout)`` is given; past it the sandboxes that did not answer are
-            killed and :class:`SubEnvTimeout` names them (default None: wait forever,
-            as AsyncVectorEnv). ``reset()`` replaces them. It bounds construction too:
-            building the sub-envs, and the warm parent's start and ``from_parent``
-            preparation (given 10 s more for the interpreter to start and import).
-        private_tmp: give each sandbox its own writable /tmp and an empty /dev/shm
-            (default True). The host's /tmp stays readable (an overlay), but files an env
-            writes there are invisible to the host and to other sandboxes and gone when
-            the sandbox ends. A branch's clones start from a copy of their source's /tmp
-            and /dev/shm at the fork and diverge privately. ``False``: the host's /tmp
-            and /dev/shm, writable, as AsyncVectorEnv.
-        writable_paths: host directories sandboxes may write (default none). Everything
-            else of the host is read-only in a sandbox (with ``namespaces=True``); a
-            write refused there names this option. Reported in ``isolation["writable"]``.
-        tmpfs_bytes: size of each private tmpfs layer (/tmp and /dev/shm of a sandbox,
-            and the tree's /tmp); default 1 GiB, or ``limits.memory_bytes`` if smaller.
-        check_actions: reject actions outside the action space before they reach the
-            sub-envs (default False, as AsyncVectorEnv passes them through). On the slab
-            path only integer leaves (Discrete, MultiDiscrete, MultiBinary) are checked.
-        host: ``"process"`` (default, or ``$GYM_FORK_HOST``: forked, namespaced
-            processes), ``"microvm"`` (every sandbox is a QEMU virtual machine with its
-            own kernel, cloned copy-on-write from a frozen warm parent VM; needs QEMU, a
-            guest kernel and a guest image: docs/microvm.md) or ``"inline"`` (the worker
-            loop in a thread of this process: no isolation, for debugging with
-            breakpoints inside ``env.step`` and for unit tests; cannot ``fork``).
-        trusted: whether the controller may unpickle what sandboxes send (unpickling
-            runs code: an exception raised in a sub-env's ``step`` could run anything in
-            this process). Default False on every host (``$GYM_FORK_TRUSTED=1`` makes it
-            True). Untrusted, a sub-env's exception arrives as
-            :class:`gym_fork.errors.SubEnvError` carrying its type name, message and
-            traceback text, and is also an instance of the nearest builtin (or
-            gym_fork / ``gymnasium.error``) class it derives from, so ``except
-            ValueError`` still works; spaces (custom ones by reference to a class this
-            process has imported) and metadata arrive as plain data; a call result or
-            info that only travels pickled (a custom object, a bound method, a set)
-            raises :class:`gym_fork.errors.PickleRefused`, which names ``trusted=True``.
-            True: as AsyncVectorEnv, the original exception objects and any picklable
-            value.
+        private_tmp: a private writable /tmp and empty /dev/shm per sandbox (default
+            True; docs/reliability.md).
+        writable_paths: host directories sandboxes may write; the rest is read-only.
+        tmpfs_bytes: size of each private tmpfs layer (default 1 GiB or the memory limit).
+        timeout: seconds any call may take (construction included); past it the
+            sandboxes that did not answer are killed (:class:`SubEnvTimeout`).
+        gpu_fork_policy: a warm parent holding CUDA: ``"refuse"`` (ForkUnsafeError) or
+            ``"clean"`` (each sandbox built cold; docs/gpu.md).
+        host: ``"process"`` (default, or ``$GYM_FORK_HOST``), ``"microvm"``
+            (docs/microvm.md) or ``"inline"`` (a thread, no isolation: for debugging).
+        trusted: may the controller unpickle what sandboxes send (default False, or
+            ``$GYM_FORK_TRUSTED``)? Untrusted, errors arrive as ``SubEnvError``
+            (docs/compatibility.md).
         vm_memory_mb: guest RAM of each microVM (default 256).
-        vm_slab_mb: size of the batch slab each microVM maps (default 16; a power of two
-            MiB). A vector env whose slab (observations, actions, rewards of all
-            sub-envs) needs more is refused with an error that says so.
+        vm_slab_mb: the batch slab each microVM maps (default 16; a power of two).
     """
 
-    # Declared up front: everything a ForkVectorEnv holds (besides VectorEnv's own).
     config: VectorConfig
     sandboxes: Sandboxes | None
     spaces: VectorSpaces
@@ -132,7 +104,27 @@ class ForkVectorEnv(VectorEnv):
     _obs_in_slab: bool
     _actions: ActionWriter | None
     _lineage: Lineage | None
-    _state: AsyncState
+
+    # AsyncVectorEnv's attributes and gym_fork's options, read from the config.
+    env_fns = _option("env_fns")
+    num_envs = _option("num_envs")
+    shared_memory = _option("shared_memory")
+    copy = _option("copy")
+    context = _option("context")
+    daemon = _option("daemon")
+    observation_mode = _option("observation_mode")
+    autoreset_mode = _option("autoreset_mode")
+    max_concurrency = _option("max_concurrency")
+    envs_per_worker = _option("envs_per_worker")
+    ring_bytes = _option("ring_bytes")
+    check_actions = _option("check_actions")
+    reset_mode = _option("reset_mode")
+    timeout = _option("timeout")
+    gpu_fork_policy = _option("gpu_fork_policy")
+    trusted = _option("trusted")
+    vm_memory_mb = _option("vm_memory_mb")
+    vm_slab_mb = _option("vm_slab_mb")
+    worker = None  # AsyncVectorEnv's custom worker: never one here
 
     def __init__(
         self,
@@ -166,127 +158,109 @@ class ForkVectorEnv(VectorEnv):
         vm_slab_mb: int = 16,
         _prepare: PrepareRecipe | None = None,
     ) -> None:
-        self._empty()
         config = VectorConfig.from_arguments(
             env_fns,
-            worker=worker,
-            autoreset_mode=autoreset_mode,
-            max_concurrency=max_concurrency,
-            envs_per_worker=envs_per_worker,
-            ring_bytes=ring_bytes,
-            reset_mode=reset_mode,
-            gpu_fork_policy=gpu_fork_policy,
-            host=host,
-            timeout=timeout,
-            trusted=trusted,
-            namespaces=namespaces,
-            network=network,
-            private_tmp=private_tmp,
-            limits=limits,
-            prepare=_prepare,
-            writable_paths=writable_paths,
-            tmpfs_bytes=tmpfs_bytes,
             shared_memory=shared_memory,
             copy=copy,
             context=context,
             daemon=daemon,
+            worker=worker,
             observation_mode=observation_mode,
+            autoreset_mode=autoreset_mode,
+            max_concurrency=max_concurrency,
+            envs_per_worker=envs_per_worker,
+            ring_bytes=ring_bytes,
             check_actions=check_actions,
+            reset_mode=reset_mode,
+            network=network,
+            limits=limits,
+            namespaces=namespaces,
+            private_tmp=private_tmp,
+            writable_paths=writable_paths,
+            tmpfs_bytes=tmpfs_bytes,
+            timeout=timeout,
+            gpu_fork_policy=gpu_fork_policy,
+            host=host,
+            trusted=trusted,
             vm_memory_mb=vm_memory_mb,
             vm_slab_mb=vm_slab_mb,
+            prepare=_prepare,
         )
-        self._adopt_config(config)
+        sandboxes, hellos = Sandboxes.start(config)
         try:
-            sandboxes, hellos = Sandboxes.start(config)
-            self.sandboxes = sandboxes
-            self._start(hellos)
-            self._lineage = provenance.start_root_lineage(
+            first = hellos[0]
+            try:
+                metadata = mapping_from_data(first.get("metadata"), trusted=config.trusted)
+            except SpaceRefused as exc:
+                raise SandboxStartError(f"a sandbox reported malformed metadata: {exc}") from exc
+            spaces = VectorSpaces.from_hellos(
+                config.observation_mode, hellos, trusted=config.trusted
+            )
+            obs_in_slab = _attach(sandboxes, spaces)
+        except BaseException:
+            sandboxes.teardown(terminate=True)
+            raise
+        metadata["autoreset_mode"] = config.autoreset_mode
+        observations = create_empty_array(
+            spaces.single_observation_space, n=config.num_envs, fn=np.zeros
+        )
+        self._open(
+            sandboxes,
+            spaces,
+            metadata,
+            first.get("render_mode"),
+            obs_in_slab,
+            observations,
+            lambda env: provenance.start_root_lineage(
                 config,
                 branch_id=branch_id,
                 lineage_log=lineage_log,
                 env_ids=[h.get("spec_id") for h in hellos],
-                isolation=self.isolation,
+                isolation=env.isolation,
                 timings=sandboxes.timings,
                 workers=sandboxes.pool.workers,
-            )
-            self._bind_lineage()
-            provenance.warn_missing_isolation(config, self.isolation)
-        except BaseException:
-            self._teardown(terminate=True)
-            raise
+            ),
+        )
+        provenance.warn_missing_isolation(config, self.isolation)
 
-    def _empty(self) -> None:
-        self.sandboxes = None
-        self._lineage = None
-        self._actions = None
+    def _open(
+        self,
+        sandboxes: Sandboxes,
+        spaces: VectorSpaces,
+        metadata: dict[str, Any],
+        render_mode: str | None,
+        obs_in_slab: bool,
+        observations: Any,
+        record: Callable[[ForkVectorEnv], Lineage],
+    ) -> None:
+        """The one constructor of roots and branches: adopt started sandboxes, then
+        record the env in its lineage tree (``record``); torn down if that fails."""
+        self.config = sandboxes.config
+        self.sandboxes = sandboxes
         self._state = AsyncState.DEFAULT
-        self.observations = None
         self.closed = False
-
-    def _adopt_config(self, config: VectorConfig) -> None:
-        """The AsyncVectorEnv attributes, from the config."""
-        self.config = config
-        self.env_fns = list(config.env_fns)
-        self.num_envs = config.num_envs
-        self.shared_memory = config.shared_memory
-        self.copy = config.copy
-        self.context = config.context
-        self.daemon = config.daemon
-        self.observation_mode = config.observation_mode
-        self.autoreset_mode = config.autoreset_mode
-        self.max_concurrency = config.max_concurrency
-        self.envs_per_worker = config.envs_per_worker
-        self.timeout = config.timeout
-        self.ring_bytes = config.ring_bytes
-        self.check_actions = config.check_actions
-        self.reset_mode = config.reset_mode
-        self.host_kind = config.host
-        self.trusted = config.trusted
-        self.isolation_config = config.isolation
-        self.vm_memory_mb = config.vm_memory_mb
-        self.vm_slab_mb = config.vm_slab_mb
-
-    def _start(self, hellos: list[dict[str, Any]]) -> None:
-        """Spaces and metadata from the workers' HELLOs, then the slab and ATTACH."""
-        first = hellos[0]
-        trusted = self.config.trusted
-        try:
-            self.metadata = mapping_from_data(first.get("metadata"), trusted=trusted)
-        except SpaceRefused as exc:
-            raise SandboxStartError(f"a sandbox reported malformed metadata: {exc}") from exc
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = first.get("render_mode")
-        self._adopt_spaces(VectorSpaces.from_hellos(self.observation_mode, hellos, trusted=trusted))
-        single = self.single_observation_space
-        if self.shared_memory and not async_shares(single):
-            raise ValueError(
-                "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable "
-                "this feature with `shared_memory=False` however this is slower. "
-                f"(ForkVectorEnv: {single} has no shared layout.)"
-            )
-        # Spaces Async shares but that have no fixed-size slab layout (OneOf) travel in
-        # ring records: same results, one copy more.
-        self._obs_in_slab = self.shared_memory and slab_node(single, 1) is not None
-        slabs = self.sandboxes.open_slabs(self.spaces, self._obs_in_slab)
-        self.observations = create_empty_array(single, n=self.num_envs, fn=np.zeros)
-        self._actions = ActionWriter(self.spaces, slabs, self.config.check_actions)
-        checks = self.sandboxes.attach_all(self.spaces, self._obs_in_slab)
-        check_attached(checks, self.observation_mode, self.single_action_space)
-
-    def _adopt_spaces(self, spaces: VectorSpaces) -> None:
+        self.metadata = metadata
+        self.render_mode = render_mode
         self.spaces = spaces
         self.single_observation_space = spaces.single_observation_space
         self.observation_space = spaces.observation_space
         self.single_action_space = spaces.single_action_space
         self.action_space = spaces.action_space
-
-    def _bind_lineage(self) -> None:
-        self.sandboxes.lineage = self._lineage
-        self.sandboxes.pool.label = self._lineage.branch_id
-        if self.sandboxes.clean_launch is not None:
-            self._lineage.tree.event(
-                self._lineage.branch_id, "clean_launch", **self.sandboxes.clean_launch
-            )
+        self._obs_in_slab = obs_in_slab
+        self.observations = observations
+        self._actions = ActionWriter(spaces, sandboxes.slabs, self.config.check_actions)
+        self._lineage = None
+        try:
+            self._lineage = record(self)
+            sandboxes.lineage = self._lineage
+            sandboxes.pool.label = self._lineage.branch_id
+            if sandboxes.clean_launch is not None:
+                self._lineage.tree.event(
+                    self._lineage.branch_id, "clean_launch", **sandboxes.clean_launch
+                )
+        except BaseException:
+            self._teardown(terminate=True)
+            raise
 
     @classmethod
     def from_parent(
@@ -309,18 +283,10 @@ class ForkVectorEnv(VectorEnv):
         starts the reset sub-envs from a fresh clone too. Other keyword arguments are
         those of the constructor.
         """
-        if kwargs.get("envs_per_worker", 1) != 1:
-            raise ValueError("from_parent clones one sandbox per sub-env: envs_per_worker=1")
-        if isinstance(num_envs, bool) or not isinstance(num_envs, int | np.integer):
-            raise TypeError(f"num_envs must be an int, got {num_envs!r}")
-        if num_envs < 1:
-            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        from .config import check_sandbox_count
-
-        check_sandbox_count(int(num_envs), "from_parent")
-        kwargs["envs_per_worker"] = 1
+        num_envs = check_parent_count(num_envs, kwargs)
+        check_sandbox_count(num_envs, "from_parent")
         return cls(
-            [env_fn] * int(num_envs),
+            [env_fn] * num_envs,
             reset_mode=reset_mode,
             _prepare=PrepareRecipe(warmup, ready_check, seed),
             **kwargs,
@@ -381,26 +347,19 @@ class ForkVectorEnv(VectorEnv):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Send the reset requests; collect them with :meth:`reset_wait`."""
-        self._assert_is_running()
-        seed = seeds_per_env(seed, self.num_envs)
-        self._assert_idle("reset_async")
-        options, mask = reset_mask(options, self.num_envs)
+        seeds, options, mask = self._plan_reset(seed, options)
         self.sandboxes.replace_dead()
         if self.config.reset_mode == "clone":
             self.sandboxes.reset_by_clone(mask)
         workers = self.sandboxes.pool.workers
-        args = [[[seed[i], options, bool(mask[i])] for i in w.indices] for w in workers]
+        args = [[[seeds[i], options, bool(mask[i])] for i in w.indices] for w in workers]
         self.sandboxes.pool.send_each(P.RESET, args)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the resets sent by :meth:`reset_async` and return (obs, infos)."""
-        self._assert_is_running()
-        if self._state != AsyncState.WAITING_RESET:
-            raise NoAsyncCallError(
-                "Calling `reset_wait` without any prior call to `reset_async`.",
-                AsyncState.WAITING_RESET.value,
-            )
+        if self._state is not AsyncState.WAITING_RESET:
+            self._not_waiting(AsyncState.WAITING_RESET)
         replies = self._collect(timeout, P.RESET, "reset_wait")
         infos: dict[str, Any] = {}
         observations = [] if not self._obs_in_slab else None
@@ -423,10 +382,8 @@ class ForkVectorEnv(VectorEnv):
 
     def step_async(self, actions) -> None:
         """Write the actions to the slab (or the requests) and wake the workers."""
-        if self.closed:
-            self._assert_is_running()
-        if self._state is not AsyncState.DEFAULT:
-            self._assert_idle("step_async", ".")
+        if self.closed or self._state is not AsyncState.DEFAULT:
+            self._begin("step_async")
         pool = self.sandboxes.pool
         # A dead worker is noticed by the wait (every faults.LIVENESS_SLICE), not here: a
         # liveness syscall per worker per step would cost more than the step itself.
@@ -441,12 +398,8 @@ class ForkVectorEnv(VectorEnv):
 
     def step_wait(self, timeout: float | None = None):
         """Wait for the steps sent by :meth:`step_async` and return their batched results."""
-        self._assert_is_running()
-        if self._state != AsyncState.WAITING_STEP:
-            raise NoAsyncCallError(
-                "Calling `step_wait` without any prior call to `step_async`.",
-                AsyncState.WAITING_STEP.value,
-            )
+        if self._state is not AsyncState.WAITING_STEP:
+            self._not_waiting(AsyncState.WAITING_STEP)
         replies = self._collect(timeout, P.STEP, "step_wait")
         infos: dict[str, Any] = {}
         if self._obs_in_slab:
@@ -484,19 +437,14 @@ class ForkVectorEnv(VectorEnv):
 
     def call_async(self, name: str, /, *args: Any, **kwargs: Any) -> None:
         """Send a call of ``name`` to every sub-env; collect with :meth:`call_wait`."""
-        self._assert_is_running()
-        self._assert_idle("call_async", ".")
+        self._begin("call_async")
         self.sandboxes.pool.send_same(P.CALL, [name, args, kwargs])
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         """Wait for the calls sent by :meth:`call_async`; results in sub-env order."""
-        self._assert_is_running()
-        if self._state != AsyncState.WAITING_CALL:
-            raise NoAsyncCallError(
-                "Calling `call_wait` without any prior call to `call_async`.",
-                AsyncState.WAITING_CALL.value,
-            )
+        if self._state is not AsyncState.WAITING_CALL:
+            self._not_waiting(AsyncState.WAITING_CALL)
         replies = self._collect(timeout, P.CALL, "call_wait")
         return tuple(value for reply in replies for value in reply)
 
@@ -506,9 +454,7 @@ class ForkVectorEnv(VectorEnv):
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
         """Set an attribute of every sub-env (one value each, or the same for all)."""
-        self._assert_is_running()
-        values = values_per_env(values, self.num_envs)
-        self._assert_idle("set_attr", ".")
+        values = self._plan_set_attr(values)
         pool = self.sandboxes.pool
         pool.send_each(P.SETATTR, [[name, [values[i] for i in w.indices]] for w in pool.workers])
         self._state = AsyncState.WAITING_CALL
@@ -533,43 +479,34 @@ class ForkVectorEnv(VectorEnv):
         replays the source exactly. Branches can be forked again, closed in any order,
         and outlive their source. ``branch_id`` must be new in this lineage tree.
         """
-        self._assert_is_running()
-        self._assert_idle("fork", ".")
-        plan = plan_fork(branch_id, indices, copies, reseed, self.num_envs)
-        self._lineage.tree.check_free(plan.branch_id)
+        plan = self._plan_fork(branch_id, indices, copies, reseed, held=live_sandboxes())
         sandboxes, spaces, observations, elapsed = clone_sandboxes(
             self.sandboxes,
             self.spaces,
             self.observations,
             plan,
             self._obs_in_slab,
-            self.observation_mode,
+            self.config.observation_mode,
         )
         branch = ForkVectorEnv.__new__(ForkVectorEnv)
-        branch._empty()
-        branch._adopt_config(sandboxes.config)
-        branch.sandboxes = sandboxes
-        branch.metadata = self.metadata
-        branch.render_mode = self.render_mode
-        branch._adopt_spaces(spaces)
-        branch._obs_in_slab = self._obs_in_slab
-        branch.observations = observations
-        branch._actions = ActionWriter(spaces, sandboxes.slabs, self.config.check_actions)
-        try:
-            branch._lineage = provenance.add_branch(
+        branch._open(
+            sandboxes,
+            spaces,
+            self.metadata,
+            self.render_mode,
+            self._obs_in_slab,
+            observations,
+            lambda env: provenance.add_branch(
                 self._lineage,
                 plan.branch_id,
                 indices=plan.indices,
                 copies=plan.copies,
                 seeds=plan.seeds,
                 elapsed=elapsed,
-                isolation=branch.isolation,
+                isolation=env.isolation,
                 workers=sandboxes.pool.workers,
-            )
-            branch._bind_lineage()
-        except BaseException:
-            branch._teardown(terminate=True)
-            raise
+            ),
+        )
         return branch
 
     # -- close ----------------------------------------------------------------------
@@ -582,18 +519,7 @@ class ForkVectorEnv(VectorEnv):
             terminate: Kill the sandboxes without closing the sub-envs.
         """
         timeout = 0 if terminate else timeout
-        try:
-            if self._state != AsyncState.DEFAULT:
-                logger.warn(
-                    f"Calling `close` while waiting for a pending call to "
-                    f"`{self._state.value}` to complete."
-                )
-                function = getattr(self, f"{self._state.value}_wait")
-                function(timeout)
-        except multiprocessing.TimeoutError:
-            terminate = True
-        except Exception as exc:  # a pending call that failed must not stop the close
-            logger.warn(f"Pending call failed while closing: {exc!r}")
+        terminate = self._finish_pending(timeout) or terminate
         self._teardown(terminate=terminate, timeout=timeout)
 
     def _teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
@@ -614,13 +540,14 @@ class ForkVectorEnv(VectorEnv):
         """Every worker's result; past ``timeout`` a multiprocessing.TimeoutError (late
         replies are dropped later), past the vector env's own ``timeout`` the sandboxes
         that did not answer are killed (SubEnvTimeout)."""
-        own_deadline = timeout is None and self.timeout is not None
+        own = self.config.timeout
+        own_deadline = timeout is None and own is not None
         pool = self.sandboxes.pool
         try:
-            return pool.collect(op, self.timeout if own_deadline else timeout)
+            return pool.collect(op, own if own_deadline else timeout)
         except WaitTimeout:
             if own_deadline:
-                raise pool.kill_unanswered(op, what, self.timeout) from None
+                raise pool.kill_unanswered(op, what, own) from None
             raise multiprocessing.TimeoutError(
                 f"The call to `{what}` has timed out after {timeout} second(s)." + pool.tree_note()
             ) from None
@@ -632,30 +559,36 @@ class ForkVectorEnv(VectorEnv):
             # Gathered from the workers' slabs: a new batch (copy=True), or into the
             # vector env's own buffer (copy=False, as AsyncVectorEnv's shared view).
             slabs = self.sandboxes.slabs
-            if self.copy:
+            if self.config.copy:
                 self.observations = slabs.observations()
                 return self.observations
             self.observations = slabs.observations(out=self.observations)
             return self.observations
-        if not self.copy:
+        if not self.config.copy:
             return self.observations
         obs = self.observations
         return obs.copy() if type(obs) is np.ndarray else copy_module.deepcopy(obs)
 
-    def _assert_idle(self, what: str, stop: str = "") -> None:
-        if self._state != AsyncState.DEFAULT:
-            raise AlreadyPendingCallError(
-                f"Calling `{what}` while waiting for a pending call to "
-                f"`{self._state.value}` to complete{stop}",
-                str(self._state.value),
-            )
-
-    def _assert_is_running(self) -> None:
-        if self.closed:
-            raise ClosedEnvironmentError(
-                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
-            )
-
     def __repr__(self) -> str:
         """Same form as AsyncVectorEnv's repr."""
         return VectorEnv.__repr__(self)
+
+
+def _attach(sandboxes: Sandboxes, spaces: VectorSpaces) -> bool:
+    """Open the slabs and have every worker map its own; whether observations travel in
+    the slab."""
+    config = sandboxes.config
+    single = spaces.single_observation_space
+    if config.shared_memory and not async_shares(single):
+        raise ValueError(
+            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable "
+            "this feature with `shared_memory=False` however this is slower. "
+            f"(ForkVectorEnv: {single} has no shared layout.)"
+        )
+    # Spaces Async shares but that have no fixed-size slab layout (OneOf) travel in ring
+    # records: same results, one copy more.
+    obs_in_slab = config.shared_memory and slab_node(single, 1) is not None
+    sandboxes.open_slabs(spaces, obs_in_slab)
+    checks = sandboxes.attach_all(spaces, obs_in_slab)
+    check_attached(checks, config.observation_mode, spaces.single_action_space)
+    return obs_in_slab

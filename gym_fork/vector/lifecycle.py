@@ -38,10 +38,6 @@ from .spaces import VectorSpaces
 _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
 
 
-# The longest a split (fork of a grouped worker and its clones' HELLOs) may take when
-# the vector env has no timeout of its own.
-
-
 @atexit.register
 def _close_all_at_exit() -> None:
     for sandboxes in list(_OPEN):
