@@ -16,6 +16,8 @@ from typing import Any
 
 import cloudpickle
 
+from gym_fork.errors import GymForkError, like_builtin
+
 
 class ShardWorker:
     """Actor body; wrapped with ``ray.remote`` by :func:`remote_class`."""
@@ -135,14 +137,53 @@ class ShardWorker:
         os._exit(1)
 
 
-def _portable(exc: Exception) -> Exception:
-    """The exception itself when it pickles, else a RuntimeError carrying its text."""
+def _portable(exc: Exception) -> Exception | _Mixed:
+    """The exception itself when it pickles; an untrusted sub-env error (a class made at
+    run time, ``SubEnvError[ValueError]``) as a :class:`_Mixed` that unpickles as the
+    same class; else a RuntimeError carrying its text."""
     try:
         cloudpickle.loads(cloudpickle.dumps(exc))
         return exc
     except Exception:
+        if _Mixed.stands_for(exc):
+            return _Mixed(exc)
         text = "".join(traceback.format_exception(exc))
         return RuntimeError(f"{type(exc).__name__}: {exc} (not picklable)\n{text}")
+
+
+class _Mixed:
+    """Pickles as the ``like_builtin`` exception it wraps: the class is made again on
+    the controller from its base and names; attributes that do not pickle are left out
+    (its notes and tracebacks are text and stay)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    @staticmethod
+    def stands_for(exc: Exception) -> bool:
+        bases = type(exc).__bases__
+        return (
+            len(bases) == 2
+            and issubclass(bases[0], GymForkError)
+            and type(exc).__name__.startswith(f"{bases[0].__name__}[")
+        )
+
+    def __reduce__(self):
+        base, candidate = type(self.exc).__bases__
+        type_name = type(self.exc).__name__[len(base.__name__) + 1 : -1]
+        state = {}
+        for key, value in vars(self.exc).items():
+            try:
+                cloudpickle.loads(cloudpickle.dumps(value))
+            except Exception:  # left out (e.g. gym_fork_errors: more such exceptions)
+                continue
+            state[key] = value
+        return (_mixed_again, (base, type_name, candidate.__name__, self.exc.args), state)
+
+
+def _mixed_again(base: type, type_name: str, candidate: str, args: tuple) -> Exception:
+    cls = like_builtin(base, type_name, (candidate,))
+    return cls.__new__(cls, *args)
 
 
 _REMOTE: Any = None
