@@ -11,6 +11,7 @@ import subprocess
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -46,14 +47,14 @@ SPAWN_BATCH = 50
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
+@dataclass
 class SandboxLink:
     """What the controller keeps per sandbox besides the handle's fields: its side
     socket (fds for FORK travel on it) and its pid inside the tree's pid namespace
     (the warm parent knows its sandboxes by that one)."""
 
-    def __init__(self, sock: socket.socket, local_pid: int) -> None:
-        self.sock = sock
-        self.local_pid = local_pid
+    sock: socket.socket
+    local_pid: int
 
     def close(self) -> None:
         self.sock.close()
@@ -552,8 +553,7 @@ class ProcessHost(SharedByBranches):
 
     def _writable_mounts(self) -> frozenset[str]:
         """Mount points a sandbox of this host may write besides its own layers."""
-        isolation = getattr(self.config, "isolation", None)
-        return frozenset(isolation.shared_writable()) if isolation is not None else frozenset()
+        return frozenset(self.config.isolation.shared_writable())
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""

@@ -59,9 +59,6 @@ class IdlePool:
         self.requests = 0
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
 
-    def pids(self) -> set[int]:
-        return {idle.pid for idle in self.waiting}
-
     def note_request(self) -> None:
         """A spawn request was served: from the second on, the pool is kept full."""
         self.requests += 1

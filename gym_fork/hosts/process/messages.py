@@ -13,7 +13,7 @@ Each travels as a dict ``{"op": OP, field: value, ...}`` in a control-socket fra
    ``FDS_PER_SANDBOX`` per sandbox) :class:`Spawned` (+ pidfds) or :class:`Refused`;
    :class:`WorkerStatus` :class:`WorkerExit`; :class:`Exit` has no answer.
 3. warm parent -> idle sandbox (``idle.py``): :class:`Assign` (+ its fds).
-4. controller -> worker, on its side socket (``host.py`` / ``clones.py``):
+4. controller -> worker, on its side socket (``host.py`` / ``sandbox.py``):
    :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` per clone) goes with the ring's FORK request,
    answered :class:`ClonesForked` (+ pidfds) before the FORK reply.
 
@@ -50,10 +50,11 @@ class Message:
 
     OP: ClassVar[str]
     MAX_BYTES: ClassVar[int] = 1 << 20  # the largest frame of this type a receiver reads
+    FDS: ClassVar[int] = 0  # fds that come with it, besides a pidfd per True in pidfds
 
     def fd_count(self) -> int:
         """How many fds come with this message."""
-        return 0
+        return self.FDS + sum(getattr(self, "pidfds", ()))
 
     def encode(self) -> dict[str, Any]:
         return {"op": self.OP, **dataclasses.asdict(self)}
@@ -85,13 +86,11 @@ class ForkWarmParent(Message):
     """Controller: fork a warm parent with this environment and process state; fds: its
     end of the controller's socket, its stdout, its stderr."""
 
+    FDS = 3
     OP = "fork-warm-parent"
     MAX_BYTES = 16 << 20
     environ: dict[str, str]
     state: dict[str, Any]
-
-    def fd_count(self) -> int:
-        return 3
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,6 @@ class WarmParentForked(Message):
     OP = "warm-parent-forked"
     pid: int
     pidfds: list[bool] = field(default_factory=list)
-
-    def fd_count(self) -> int:
-        return sum(self.pidfds)
 
 
 @dataclass(frozen=True)
@@ -140,9 +136,6 @@ class Ready(Message):
     preimported: dict[str, Any] | None
     pidfds: list[bool] = field(default_factory=list)
 
-    def fd_count(self) -> int:
-        return sum(self.pidfds)
-
 
 @dataclass(frozen=True)
 class PrepareFailed(Message):
@@ -178,9 +171,6 @@ class Spawned(Message):
     pids: list[int]
     idle_discarded: list[list[Any]]
     pidfds: list[bool] = field(default_factory=list)
-
-    def fd_count(self) -> int:
-        return sum(self.pidfds)
 
 
 @dataclass(frozen=True)
@@ -221,13 +211,11 @@ class Refused(Message):
 class Assign(Message):
     """Warm parent: become this sandbox; fds: its ``FDS_PER_SANDBOX``."""
 
+    FDS = FDS_PER_SANDBOX
     OP = "assign"
     MAX_BYTES = MAX_MESSAGE_BYTES
     spec: SandboxSpec
     attach: bytes | None
-
-    def fd_count(self) -> int:
-        return FDS_PER_SANDBOX
 
 
 # -- controller <-> worker (its side socket) --------------------------------------------
@@ -252,9 +240,6 @@ class ClonesForked(Message):
     OP = "clones-forked"
     pids: list[int]
     pidfds: list[bool] = field(default_factory=list)
-
-    def fd_count(self) -> int:
-        return sum(self.pidfds)
 
 
 # -- sending and receiving --------------------------------------------------------------

@@ -305,8 +305,9 @@ def _children_of(parent: int) -> set[int]:
     return children
 
 
-def _watch_controller(pid: int) -> int:
-    """A pidfd of the controller (our parent); exit now if it is gone already."""
+def watch_controller(pid: int) -> int:
+    """A pidfd of the controller (our parent); exit now if it is gone already (or died
+    before we watched it)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -371,7 +372,7 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
     except (EOFError, ConnectionError):
         return
     if controller is None:
-        controller = _watch_controller(init.controller_pid)
+        controller = watch_controller(init.controller_pid)
         if init.die_with_controller:
             # SIGTERM (not SIGKILL) so that the cleanup below still runs.
             linux.die_with_parent(init.controller_pid, signal.SIGTERM)

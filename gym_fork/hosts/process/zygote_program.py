@@ -136,13 +136,7 @@ class ZygoteProcess:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
-    controller_pid = os.getppid()
-    try:
-        controller = os.pidfd_open(controller_pid)
-    except ProcessLookupError:
-        os._exit(70)
-    if os.getppid() != controller_pid:
-        os._exit(70)  # the controller died before we watched it
+    controller = parent.watch_controller(os.getppid())
     with contextlib.suppress(Exception):  # a warm parent reports the reason itself
         confine.prepare_seccomp()  # built once (~8 ms); every fork only loads it
     gc.collect()
