@@ -32,6 +32,9 @@ from gym_fork.system.scratch import is_scratch_dir, remove_scratch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 
 HOST_KINDS = ("process", "microvm", "inline")
+# A microVM's guest RAM and batch slab unless the vector env says otherwise.
+DEFAULT_VM_MEMORY_MB = 256
+DEFAULT_VM_SLAB_MB = 16
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class HostConfig:
     prepare_in_sandbox: bool = False
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
     ring_capacity: int = DEFAULT_RING_BYTES
-    vm_memory_mb: int = 256
-    vm_slab_mb: int = 16
+    vm_memory_mb: int = DEFAULT_VM_MEMORY_MB
+    vm_slab_mb: int = DEFAULT_VM_SLAB_MB
     start_timeout: float | None = None
     trusted: bool = True
 
@@ -206,6 +209,9 @@ class Host(Protocol):
     """A sandbox backend. Every method is called from the controller's thread."""
 
     kind: str
+    # The warm parent's process (host pid): a process host's tree, a microVM's QEMU, the
+    # controller itself for inline; provenance records it (-1 before it started).
+    pid: int
     # The process a clone of the warm parent is forked from, whose CUDA state it would
     # inherit; None where clones are not forked processes (VMs, inline).
     gpu_pid: int | None

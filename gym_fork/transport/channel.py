@@ -28,7 +28,7 @@ DEFAULT_MAX_MESSAGE = 256 << 20
 
 
 def region_bytes(capacity: int) -> int:
-    """The power of two that holds both rings of ``capacity`` (a PCI BAR's size)."""
+    """The power of two that holds both rings of ``capacity`` (a VM's channel device)."""
     need = 2 * ring_bytes(capacity)
     return 1 << (need - 1).bit_length()
 
@@ -93,7 +93,7 @@ class Channel:
         max_message: int = DEFAULT_MAX_MESSAGE,
     ) -> Channel:
         """A new region with both rings; ``poll`` for a worker inside a VM (its region
-        is then sized to a power of two, as a PCI BAR must be)."""
+        is then sized to a power of two, as the VM's channel device is)."""
         size = region_bytes(capacity) if poll else 2 * ring_bytes(capacity)
         region = Region(size, name=f"gym_fork-{name}")
         try:

@@ -19,7 +19,6 @@ from gym_fork.errors import PeerGone, RingTimeout, TransportError
 from .region import Region
 
 CONTROL_BYTES = int(lib.gf_ring_control_size())
-RECORD_HEADER = int(lib.GF_RECORD_HEADER)
 # Busy-wait rounds before a futex sleep (pause x32, then sched_yield); measured in
 # docs/benchmarks.md. GYM_FORK_SPIN overrides it for tuning.
 DEFAULT_SPIN = int(os.environ.get("GYM_FORK_SPIN", "400"))
