@@ -158,3 +158,60 @@ def test_a_script_of_the_user_never_runs_in_the_warm_parent(tmp_path, monkeypatc
     pids = {int(p.name) for p in seen.iterdir()}
     assert len(pids) == 3, pids  # the throw-away build and the two sandboxes
     assert 1 not in pids  # never the warm parent (pid 1 of the tree)
+
+
+# -- the vetting of the names a throw-away build reports (pure) -------------------------
+
+from gym_fork.hosts.process import preimport  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["numpy", "gymnasium.envs", "a_b.c9", "_private"])
+def test_a_dotted_name_is_a_module_name(name):
+    assert preimport.is_module_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "9lives", "a..b", "a.", "os.path/x", "pkg.__main__", "__main__", "a b", "x" * 513],
+)
+def test_anything_else_is_refused(name):
+    assert not preimport.is_module_name(name)
+
+
+def test_only_installed_packages_are_wanted(tmp_path, monkeypatch):
+    (tmp_path / "gf_user_script.py").write_text("raise SystemExit('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # on sys.path, not an installed package
+    assert preimport._wanted("gymnasium") is False  # imported already
+    assert preimport._wanted("gf_user_script") is False  # a script next to the program
+    assert preimport._wanted("antigravity") is False  # the standard library
+    assert preimport._wanted(42) is False
+    assert preimport._wanted("gf_not_imported_pkg.sub") is False  # its package is not in
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the user's PYTHONPATH: installed
+    assert preimport._wanted("gf_user_script") is True
+
+
+def test_import_all_skips_refused_and_failing_names(tmp_path, monkeypatch):
+    (tmp_path / "gf_pre_ok.py").write_text("VALUE = 1\n")
+    (tmp_path / "gf_pre_broken.py").write_text("raise RuntimeError('broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    time.sleep(0.05)
+    since = time.time()
+    try:
+        names = ["gf_pre_ok", "gf_pre_broken", "pkg.__main__", "gf_pre_ok"]
+        assert preimport.import_all(names, since) == ["gf_pre_ok"]
+        assert "gf_pre_broken" not in sys.modules
+    finally:
+        for name in ("gf_pre_ok", "gf_pre_broken"):
+            sys.modules.pop(name, None)
+
+
+def test_a_file_changed_after_the_build_began_is_not_imported(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    since = time.time() - 0.05
+    (tmp_path / "gf_pre_new.py").write_text("VALUE = 1\n")  # written "by the build"
+    try:
+        assert preimport.import_all(["gf_pre_new"], since) == []
+    finally:
+        sys.modules.pop("gf_pre_new", None)

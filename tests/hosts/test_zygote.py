@@ -160,3 +160,32 @@ def test_a_failed_fork_falls_back_and_spares_the_zygotes_other_warm_parents(monk
         first.step(np.array([0]))  # its warm parent lives: the zygote was retired, not closed
         assert alive({before})
     assert wait_until(lambda: not alive({before}), 3.0)
+
+
+# -- the zygote key (pure: which variables get a new zygote) ---------------------------
+
+KEY_BASE = {"PATH": "/usr/bin", "HOME": "/root"}
+START_UP_INPUTS = [
+    "PYTHONHASHSEED",
+    "LD_PRELOAD",
+    "MALLOC_ARENA_MAX",
+    "LC_ALL",
+    "LANG",
+    "OMP_NUM_THREADS",
+    "GYM_FORK_SPIN",
+]
+
+
+@pytest.mark.parametrize("name", START_UP_INPUTS)
+def test_a_start_up_input_changes_the_zygote_key(name):
+    assert zygote.zygote_key({**KEY_BASE, name: "1"}) != zygote.zygote_key(KEY_BASE)
+
+
+@pytest.mark.parametrize("name", ["PATH", "GYM_FORK_SCRATCH_BASE", "MY_SETTING", "NUM_THREADS"])
+def test_other_variables_leave_the_zygote_key_alone(name):
+    assert zygote.zygote_key({**KEY_BASE, name: "changed"}) == zygote.zygote_key(KEY_BASE)
+
+
+def test_the_zygote_key_ignores_the_order_of_the_environment():
+    env = {"LANG": "C", "PYTHONPATH": "/a", "LC_ALL": "C"}
+    assert zygote.zygote_key(env) == zygote.zygote_key(dict(reversed(list(env.items()))))

@@ -1,0 +1,134 @@
+"""IdlePool (gym_fork/hosts/process/idle.py) on its own: when it fills, what it hands
+over, and which idle sandboxes it refuses to use (children that only wait)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from gym_fork.hosts.process import idle
+from gym_fork.hosts.process import messages as M
+
+pytestmark = pytest.mark.process_only
+SPEC = M.SandboxSpec("w0", [0], [0], 4096)
+
+
+def wait_for_assignment(sock: socket.socket, close: list[int]) -> None:
+    """An idle child for the tests: report what it was handed on fd 1's pipe, exit."""
+    for fd in close:
+        os.close(fd)
+    assignment, fds = idle.await_assignment(sock)
+    os.write(REPORT_W, f"{assignment.spec.name} {len(fds)}".encode())
+    os._exit(0)
+
+
+REPORT_R, REPORT_W = -1, -1
+
+
+@pytest.fixture
+def pool():
+    global REPORT_R, REPORT_W
+    REPORT_R, REPORT_W = os.pipe()
+    made = idle.IdlePool(2, wait_for_assignment)
+    forked: list[int] = []
+    fill = made.fill
+
+    def fill_and_note() -> list[int]:
+        new = fill()
+        forked.extend(new)
+        return new
+
+    made.fill = fill_and_note
+    yield made
+    made.close()
+    for pid in forked:  # only the children this test made
+        idle._kill(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    os.close(REPORT_R)
+    os.close(REPORT_W)
+
+
+def made_pids(pool: idle.IdlePool) -> set[int]:
+    return {i.pid for i in pool.waiting}
+
+
+def fds() -> list[int]:
+    return [os.open(os.devnull, os.O_RDONLY) for _ in range(M.FDS_PER_SANDBOX)]
+
+
+def reap(pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    raise AssertionError(f"child {pid} did not exit within {timeout} s")
+
+
+def test_the_pool_fills_only_from_the_second_request(pool):
+    assert pool.fill() == []
+    pool.note_request()
+    assert pool.fill() == []
+    pool.note_request()
+    new = pool.fill()
+    assert len(new) == 2 and made_pids(pool) == set(new)
+    assert pool.fill() == []  # full
+
+
+def test_an_idle_sandbox_gets_its_spec_and_fds(pool):
+    pool.requests = 2
+    first, _ = pool.fill()
+    handed = fds()
+    assert pool.assign(M.Assign(SPEC, None), handed) == first
+    M.close_fds(handed)
+    assert reap(first) == 0
+    assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()
+    assert first not in made_pids(pool)
+
+
+def test_a_stopped_idle_sandbox_is_killed_listed_and_skipped(pool):
+    pool.requests = 2
+    stopped, other = pool.fill()
+    os.kill(stopped, signal.SIGSTOP)
+    handed = fds()
+    try:
+        assert pool.assign(M.Assign(SPEC, None), handed) == other
+    finally:
+        M.close_fds(handed)
+    assert reap(stopped) == -signal.SIGKILL
+    assert [pid for pid, _ in pool.take_discarded()] == [stopped]
+    assert pool.take_discarded() == []
+    assert reap(other) == 0
+
+
+def test_no_usable_idle_sandbox_means_a_fresh_fork(pool):
+    handed = fds()
+    try:
+        assert pool.assign(M.Assign(SPEC, None), handed) == 0  # empty
+    finally:
+        M.close_fds(handed)
+
+
+def test_a_reaped_idle_sandbox_leaves_the_pool(pool):
+    pool.requests = 2
+    gone, kept = pool.fill()
+    idle._kill(gone)
+    reap(gone)
+    pool.forget(gone)
+    assert made_pids(pool) == {kept}
+
+
+def test_the_pool_size_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "5")
+    assert idle.pool_size() == 5
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "99")
+    assert idle.pool_size() == 16
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "lots")
+    assert idle.pool_size() == idle.DEFAULT_SIZE
