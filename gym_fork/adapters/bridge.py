@@ -32,8 +32,11 @@ class SubEnvBridge(gym.Wrapper):
         self.gym_fork_sb3_selected = True
         return chosen
 
-    def gym_fork_sb3_get(self, name: str) -> Any:
-        """The attribute as SB3 sees it: found down the wrapper chain, never called."""
+    def gym_fork_sb3_get(self, name: str, only_selected: bool = False) -> Any:
+        """The attribute as SB3 sees it: found down the wrapper chain, never called
+        (None for an unselected sub-env)."""
+        if not self._chosen(only_selected):
+            return None
         return self.env.get_wrapper_attr(name)
 
     def gym_fork_sb3_has(self, name: str) -> bool:

@@ -6,15 +6,19 @@ Install with ``pip install 'gym_fork[sb3]'``. ``ForkVecEnv(env_fns)`` replaces
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import concatenate, create_empty_array
 from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnv,
     VecEnvIndices,
@@ -24,6 +28,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
 
 from gym_fork.adapters.bridge import BridgedEnvFn
 from gym_fork.adapters.infos import unbatch_infos
+from gym_fork.errors import BadActionError
 
 __all__ = ["ForkVecEnv"]
 
@@ -35,6 +40,85 @@ def _single(batch: Any, i: int) -> Any:
     if isinstance(batch, tuple):
         return tuple(_single(value, i) for value in batch)
     return deepcopy(batch[i])
+
+
+# Spaces whose Gymnasium batch is one array with the sub-envs along its first axis: an
+# array of SB3 actions is that batch already.
+_ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+def sb3_actions(space: gym.Space, actions: Any, num_envs: int) -> Any:
+    """SB3's actions as the Gymnasium batch a vector env takes.
+
+    SB3 hands a ``VecEnv`` one action per sub-env: an array whose first axis is the
+    sub-env, or any sequence of per-env actions (DummyVecEnv indexes it, SubprocVecEnv
+    iterates it), e.g. a list of dicts for a ``Dict`` space or of tuples for a ``Tuple``
+    space. Gymnasium wants one batch: an array for the array spaces, a dict or tuple of
+    arrays for ``Dict``/``Tuple``. A wrong count or an action outside ``space``'s
+    structure is a :class:`~gym_fork.errors.BadActionError`.
+    """
+    if isinstance(actions, np.ndarray) and actions.dtype != object:
+        if isinstance(space, _ARRAY_SPACES):
+            if actions.ndim == 0 or len(actions) != num_envs:
+                raise BadActionError(
+                    f"SB3 actions are one per sub-env: expected an array of {num_envs} "
+                    f"actions along its first axis, got shape {actions.shape}"
+                )
+            return actions
+    elif isinstance(actions, Mapping | str | bytes) or not isinstance(actions, Iterable):
+        raise BadActionError(
+            f"SB3 actions are one per sub-env (a list or array of {num_envs} actions for "
+            f"{space}), got a {type(actions).__name__}"
+        )
+    items = list(actions)
+    if len(items) != num_envs:
+        raise BadActionError(f"{len(items)} SB3 actions for {num_envs} sub-envs")
+    try:
+        return concatenate(space, items, create_empty_array(space, num_envs))
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise BadActionError(
+            f"SB3 actions that do not fit the action space {space}: {exc!r}"
+        ) from exc
+
+
+def sb3_indices(indices: VecEnvIndices, num_envs: int) -> list[int]:
+    """SB3's ``indices`` as DummyVecEnv and SubprocVecEnv read them, each in
+    ``0..num_envs-1``: None is every sub-env, an int is one, any other iterable of ints
+    is those, in its order; a negative index counts from the end and a repeated one is
+    repeated (the call reaches that sub-env again). Out of range: IndexError."""
+    if indices is None:
+        return list(range(num_envs))
+    if isinstance(indices, int | np.integer):
+        items: list[Any] = [indices]
+    elif isinstance(indices, Iterable) and not isinstance(indices, str | bytes | Mapping):
+        items = list(indices)
+    else:
+        raise TypeError(
+            f"indices must be None, an int or an iterable of ints, got {type(indices).__name__}"
+        )
+    chosen = []
+    for item in items:
+        try:
+            index = operator.index(item)
+        except TypeError:
+            raise TypeError(f"a sub-env index must be an int, got {item!r}") from None
+        if not -num_envs <= index < num_envs:
+            raise IndexError(f"sub-env index {index} is out of range for {num_envs} sub-envs")
+        chosen.append(index % num_envs)
+    return chosen
+
+
+def _rounds(chosen: list[int]) -> list[list[int]]:
+    """``chosen`` split into rounds holding each sub-env once: a sub-env listed k times
+    is in the first k rounds (a call reaches it k times, in turn)."""
+    rounds: list[list[int]] = []
+    seen: Counter[int] = Counter()
+    for index in chosen:
+        if seen[index] == len(rounds):
+            rounds.append([])
+        rounds[seen[index]].append(index)
+        seen[index] += 1
+    return rounds
 
 
 class ForkVecEnv(VecEnv):
@@ -51,7 +135,9 @@ class ForkVecEnv(VecEnv):
     SB3 semantics: ``step`` returns the reset observation of a finished sub-env, its
     last observation in ``infos[i]["terminal_observation"]``, the step's own info,
     ``infos[i]["TimeLimit.truncated"]`` and ``dones = terminated | truncated``; the reset
-    info goes to ``reset_infos[i]``.
+    info goes to ``reset_infos[i]``. ``indices`` are SB3's (:func:`sb3_indices`:
+    negative from the end, a repeated one called again) and actions are one per sub-env
+    as SB3 hands them, for every space (:func:`sb3_actions`: Dict and Tuple too).
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]] | Any, **vector_kwargs: Any):
@@ -119,8 +205,9 @@ class ForkVecEnv(VecEnv):
         return obs
 
     def step_async(self, actions: np.ndarray) -> None:
-        """Send the actions; the sub-envs step while the caller does other work."""
-        self.vector_env.step_async(actions)
+        """Send the actions, one per sub-env as SB3 hands them (see :func:`sb3_actions`);
+        the sub-envs step while the caller does other work."""
+        self.vector_env.step_async(sb3_actions(self.action_space, actions, self.num_envs))
 
     def step_wait(self) -> VecEnvStepReturn:
         """Wait for the step; finished sub-envs come back already reset (SB3 semantics)."""
@@ -131,10 +218,14 @@ class ForkVecEnv(VecEnv):
         if self.vector_env.autoreset_mode == AutoresetMode.SAME_STEP:
             # The sub-env reset inside the step: the top-level info is the reset's, the
             # step's own info and last observation are under final_info / final_obs.
+            # The last observation comes from the batch as the env returned it
+            # (unbatch_infos makes Python scalars of numpy ones: a Discrete np.int64).
+            final_obs = batched["final_obs"] if len(finished) else None
             for i in finished:
                 reset_info = infos[i]
                 infos[i] = reset_info.pop("final_info", {})
-                infos[i]["terminal_observation"] = reset_info.pop("final_obs")
+                reset_info.pop("final_obs")
+                infos[i]["terminal_observation"] = deepcopy(final_obs[i])
                 self.reset_infos[i] = reset_info
         elif len(finished):
             # NEXT_STEP would reset at the next step, ignoring its action; SB3 wants the
@@ -150,19 +241,10 @@ class ForkVecEnv(VecEnv):
         return obs, np.asarray(rewards, dtype=np.float32), dones, infos
 
     # -- sub-env access ---------------------------------------------------------------
-    def _indices(self, indices: VecEnvIndices) -> list[int]:
-        if indices is None:
-            return list(range(self.num_envs))
-        if isinstance(indices, int | np.integer):
-            return [int(indices)]
-        return [int(i) for i in indices]
-
-    def _subset(self, indices: Iterable[int]) -> bool:
-        return sorted(set(indices)) != list(range(self.num_envs))
-
     def _select(self, indices: list[int], what: str) -> bool:
-        """Mark the chosen sub-envs for the next bridged call; False when all are chosen."""
-        if not self._subset(indices):
+        """Mark the chosen sub-envs (each once) for the next bridged call; False when all
+        are chosen."""
+        if sorted(indices) == list(range(self.num_envs)):
             return False
         if not self.bridged:
             raise NotImplementedError(
@@ -176,6 +258,19 @@ class ForkVecEnv(VecEnv):
         )
         return True
 
+    def _each(self, chosen: list[int], what: str, call: Callable[[bool], Any]) -> list[Any]:
+        """``call(only_selected)`` once per round of ``chosen`` (:func:`_rounds`), each
+        round's sub-envs selected; the results in ``chosen``'s order."""
+        by_round = []
+        for members in _rounds(chosen):
+            by_round.append(call(self._select(members, what)))
+        seen: Counter[int] = Counter()
+        results = []
+        for index in chosen:
+            results.append(by_round[seen[index]][index])
+            seen[index] += 1
+        return results
+
     def has_attr(self, attr_name: str) -> bool:
         """Whether every sub-env has the attribute (asked without raising in them)."""
         if self.bridged:
@@ -183,43 +278,51 @@ class ForkVecEnv(VecEnv):
         return super().has_attr(attr_name)
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
-        """The attribute of each chosen sub-env (a method is returned, not called, where
-        the sub-envs were built by this adapter; Gymnasium's ``get_attr`` calls it)."""
-        if self.bridged:
-            values = self.vector_env.call("gym_fork_sb3_get", attr_name)
-        else:
+        """The attribute of each chosen sub-env, only those asked (a method is returned,
+        not called, where the sub-envs were built by this adapter; Gymnasium's
+        ``get_attr`` calls it)."""
+        chosen = sb3_indices(indices, self.num_envs)
+        if not self.bridged:
             values = self.vector_env.get_attr(attr_name)
-        return [values[i] for i in self._indices(indices)]
+            return [values[i] for i in chosen]
+        return self._each(
+            chosen,
+            "get_attr",
+            lambda only: self.vector_env.call("gym_fork_sb3_get", attr_name, only),
+        )
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
-        """Set ``attr_name = value`` on each chosen sub-env."""
-        chosen = self._indices(indices)
-        only = self._select(chosen, "set_attr")
-        if self.bridged:
-            self.vector_env.call("gym_fork_sb3_set", attr_name, value, only)
-        else:
+        """Set ``attr_name = value`` on each chosen sub-env (again for a repeated index)."""
+
+        def assign(only: bool) -> Any:
+            if self.bridged:
+                return self.vector_env.call("gym_fork_sb3_set", attr_name, value, only)
             # A list or tuple would be read by Gymnasium as one value per sub-env.
             self.vector_env.set_attr(attr_name, [value] * self.num_envs)
+            return [None] * self.num_envs
+
+        self._each(sb3_indices(indices, self.num_envs), "set_attr", assign)
 
     def env_method(
         self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs
     ) -> list[Any]:
-        """Call a method on each chosen sub-env (only those) and return the results."""
-        chosen = self._indices(indices)
-        only = self._select(chosen, "env_method")
-        if self.bridged:
-            results = self.vector_env.call(
-                "gym_fork_sb3_call", method_name, method_args, method_kwargs, only
-            )
-        else:
-            results = self.vector_env.call(method_name, *method_args, **method_kwargs)
-        return [results[i] for i in chosen]
+        """Call a method on each chosen sub-env, only those (again for a repeated index),
+        and return the results in ``indices``' order."""
+
+        def call(only: bool) -> Any:
+            if self.bridged:
+                return self.vector_env.call(
+                    "gym_fork_sb3_call", method_name, method_args, method_kwargs, only
+                )
+            return self.vector_env.call(method_name, *method_args, **method_kwargs)
+
+        return self._each(sb3_indices(indices, self.num_envs), "env_method", call)
 
     def env_is_wrapped(
         self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None
     ) -> list[bool]:
         """Whether each chosen sub-env has a ``wrapper_class`` in its wrapper chain."""
-        chosen = self._indices(indices)
+        chosen = sb3_indices(indices, self.num_envs)
         if not self.bridged:
             warnings.warn(
                 "env_is_wrapped cannot look into sub-envs built outside ForkVecEnv: "
@@ -255,6 +358,8 @@ class ForkVecEnv(VecEnv):
         ``VecMonitor``) are not part of the branch: wrap it again, copying their state
         where it matters (e.g. ``VecNormalize.obs_rms``).
         """
+        if indices is not None:  # SB3's conventions (negative from the end), as everywhere here
+            indices = sb3_indices(indices, self.num_envs)
         branch = self.vector_env.fork(branch_id, indices, copies, reseed)
         sources = [
             i for i in (range(self.num_envs) if indices is None else indices) for _ in range(copies)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -264,3 +265,30 @@ def test_ppo_learns_cartpole(closing):
     mean_return, _ = evaluate_policy(model, eval_env, n_eval_episodes=12, deterministic=True)
     print(f"PPO CartPole-v1: 30k steps in {elapsed:.1f} s, mean return {mean_return:.1f}")
     assert mean_return >= 150
+
+
+def test_malformed_sb3_actions_and_indices_are_named(closing):
+    from gym_fork.errors import BadActionError
+    from tests.adapters.sb3_envs import echo_env
+
+    fork = closing(ForkVecEnv([functools.partial(echo_env, "Dict")] * 2))
+    fork.reset()
+    sample = fork.action_space.sample()
+    with pytest.raises(BadActionError, match="3 SB3 actions for 2 sub-envs"):
+        fork.step([sample] * 3)
+    # A Gymnasium batch (a dict of arrays) is not SB3's one-action-per-sub-env form.
+    with pytest.raises(BadActionError, match=r"one per sub-env .* got a dict"):
+        fork.step({key: np.stack([v, v]) for key, v in sample.items()})
+    with pytest.raises(BadActionError, match="do not fit the action space"):
+        fork.step([sample, {"box": np.zeros(2, np.float32)}])
+    obs, *_ = fork.step([sample, sample])  # still usable
+    assert obs["discrete"].tolist() == [sample["discrete"]] * 2
+    box = closing(ForkVecEnv([echo_env] * 2))
+    with pytest.raises(BadActionError, match=r"got shape \(3, 2\)"):
+        box.step(np.zeros((3, 2), np.float32))
+    # numpy integers are indices too; anything else is named.
+    assert box.env_method("whoami", indices=np.int64(-1)) == [None]
+    with pytest.raises(TypeError, match=r"must be an int, got 1\.0"):
+        box.get_attr("t", indices=[1.0])
+    with pytest.raises(TypeError, match="got str"):
+        box.get_attr("t", indices="01")
