@@ -1,20 +1,35 @@
-"""``gym-fork doctor``: what this host supports and what gym_fork will use."""
+"""``gym-fork doctor``: what this host supports and what gym_fork will use.
+
+It only looks: no guest image is built, no accelerator probed, nothing written under
+the cache (where the microVM host would build something, the check says what it would
+cost). ``--json`` prints :data:`SCHEMA`: ``{"schema", "gym_fork", "ok", "checks": [{"name",
+"status", "detail", "required", "data"}]}``, status one of ``ok``, ``degraded``,
+``missing``; ``data`` holds the figures behind the detail (may be empty).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA = "gym_fork.doctor/1"
+STATUSES = ("ok", "degraded", "missing")
 
 
 @dataclass
 class Check:
+    """One line of the doctor's report."""
+
     name: str
-    status: str  # "ok" | "missing" | "degraded"
+    status: str  # one of STATUSES
     detail: str
     required: bool = False  # the default configuration cannot run without it
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 def _probe_namespaces() -> Check:
@@ -121,20 +136,94 @@ def _microvm() -> Check:
         return Check(
             "microvm", "missing", f"host='microvm' needs {'; '.join(missing)}: {INSTALL_HINT}"
         )
-    from gym_fork.hosts.microvm.accel import choose_accel
-    from gym_fork.hosts.microvm.image import build_image
+    from gym_fork.hosts.microvm.image import plan_image
 
     try:
-        image = build_image()
+        plan = plan_image()
     except Exception as exc:
-        return Check("microvm", "missing", f"the guest image cannot be built: {exc}")
-    accel, why = choose_accel(image)
+        return Check("microvm", "missing", f"a guest image cannot be planned: {exc}")
+    data: dict[str, Any] = {
+        "kernel": plan.kernel.version,
+        "image": plan.digest,
+        "image_cached": plan.cached,
+        "files": plan.files,
+        "packed_bytes": plan.packed_bytes,
+        "distributions": list(plan.selection.distributions),
+    }
+    size = f"{plan.files} files, {plan.packed_bytes / 2**20:.0f} MiB"
+    if plan.cached:
+        image_part = f"image {plan.digest} cached ({size})"
+    else:
+        estimate = plan.estimate_s()
+        data["build_estimate_s"] = round(estimate, 1)
+        image_part = (
+            f"no image yet: the first microVM env packs {size} "
+            f"({len(plan.selection.distributions) or 'all'} distributions) in ~{estimate:.0f} s"
+        )
+    if not _boot_template_cached(plan.digest):
+        image_part += ", then boots it once (~15-50 s under TCG, ~1 s under KVM)"
+    accel, why = _accelerator(plan.guest_image())
+    data["accelerator"] = accel
     return Check(
         "microvm",
-        "ok" if accel == "kvm" else "degraded",
-        f"kernel {image.kernel.version}, image {image.digest} ({image.files} files, "
-        f"{image.root_bytes >> 20} MiB); accelerator {accel}: {why}",
+        "degraded" if accel == "tcg" else "ok",
+        f"kernel {plan.kernel.version}; {image_part}; accelerator {accel}: {why}",
+        data=data,
     )
+
+
+def _boot_template_cached(digest: str) -> bool:
+    from gym_fork.hosts.microvm import template_cache
+
+    directory = template_cache.cache_dir()
+    return template_cache.enabled() and any(directory.glob(f"{digest}-*{template_cache.SUFFIX}"))
+
+
+def _accelerator(image) -> tuple[str, str]:
+    """What the host would choose, from the cached verdict only (the probe boots a VM)."""
+    from gym_fork.hosts.microvm.accel import cached_verdict
+
+    forced = os.environ.get("GYM_FORK_VM_ACCEL")
+    if forced in ("kvm", "tcg"):
+        return forced, "GYM_FORK_VM_ACCEL"
+    verdict = cached_verdict(image)
+    if verdict is not None:
+        return ("kvm" if verdict["kvm"] else "tcg"), verdict["why"]
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "tcg", "/dev/kvm is missing or not accessible"
+    return "unknown", (
+        "not probed yet: the first microVM env boots the guest kernel under KVM once "
+        "(up to 20 s) and keeps the verdict"
+    )
+
+
+def _cache() -> Check:
+    from gym_fork.hosts.microvm import image_cache, template_cache
+    from gym_fork.hosts.microvm.paths import cache_root
+
+    images = image_cache.images_by_use()
+    image_bytes = sum(image_cache.disk_bytes(p) for p in images)
+    boot_bytes = image_cache.disk_bytes(template_cache.cache_dir())
+    kernel_bytes = image_cache.disk_bytes(cache_root() / "kernels")
+    try:
+        bound = image_cache.bound_bytes()
+    except ValueError as exc:
+        return Check("cache", "degraded", str(exc))
+    detail = (
+        f"{cache_root()}: {len(images)} image(s) {image_bytes / 2**30:.2f} GiB "
+        f"(bound {bound / 2**30:.1f} GiB, GYM_FORK_VM_IMAGE_CACHE_MB), boot templates "
+        f"{boot_bytes / 2**30:.2f} GiB, kernels {kernel_bytes / 2**30:.2f} GiB; "
+        "`gym-fork image clear-cache` removes images and boot templates"
+    )
+    data = {
+        "path": str(cache_root()),
+        "images": len(images),
+        "image_bytes": image_bytes,
+        "bound_bytes": bound,
+        "boot_template_bytes": boot_bytes,
+        "kernel_bytes": kernel_bytes,
+    }
+    return Check("cache", "ok", detail, data=data)
 
 
 def _gpu() -> Check:
@@ -157,6 +246,7 @@ def _python() -> Check:
 
 
 def checks() -> list[Check]:
+    """Every check, in the order they are printed."""
     return [
         _python(),
         _ring(),
@@ -166,18 +256,38 @@ def checks() -> list[Check]:
         _kvm(),
         _qemu(),
         _microvm(),
+        _cache(),
         _gpu(),
     ]
 
 
-def run() -> int:
-    """Print one line per check; exit status 1 only if the default configuration cannot
-    run (a required check is not ok)."""
+def report(results: list[Check]) -> dict[str, Any]:
+    """The ``--json`` document for ``results``."""
+    from gym_fork._version import __version__
+
+    return {
+        "schema": SCHEMA,
+        "gym_fork": __version__,
+        "ok": not _failed(results),
+        "checks": [asdict(c) for c in results],
+    }
+
+
+def _failed(results: list[Check]) -> list[Check]:
+    return [c for c in results if c.required and c.status != "ok"]
+
+
+def run(*, as_json: bool = False) -> int:
+    """Print one line per check (or the JSON report); exit status 1 only if the
+    default configuration cannot run (a required check is not ok)."""
     results = checks()
+    failed = _failed(results)
+    if as_json:
+        print(json.dumps(report(results), indent=1))
+        return 1 if failed else 0
     width = max(len(c.name) for c in results)
     for c in results:
         print(f"{c.name:<{width}}  {c.status:<8}  {c.detail}")
-    failed = [c for c in results if c.required and c.status != "ok"]
     if failed:
         print(f"\ngym_fork cannot run here: {', '.join(c.name for c in failed)}")
         return 1

@@ -1,21 +1,28 @@
 """Pieces of the microVM host that need no VM: requirements, refusals, the initramfs
-writer, module ordering, the image digest. They run everywhere (no QEMU needed)."""
+writer, module ordering, the image digest, what an image packs, the image cache's bound
+and clear-cache. They run everywhere (no QEMU needed)."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
 
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.microvm import requirements
+from gym_fork.hosts.microvm import image_cache, requirements, selection
 from gym_fork.hosts.microvm.cpio import write_newc
 from gym_fork.hosts.microvm.image import _Manifest
 from gym_fork.hosts.microvm.kernel import Kernel
 from gym_fork.system.isolation import SandboxLimits
+
+NONE = selection.Selection(False, (), (), ())
 
 
 def cartpole():
@@ -127,29 +134,158 @@ def test_the_image_digest_follows_the_files_but_not_their_byte_code(tmp_path):
     assert digest() != before
 
 
-def test_old_guest_images_are_pruned_keeping_the_newest_and_recent_ones(tmp_path, monkeypatch):
-    import os
-    import time
+def _fake_image(images: Path, name: str, size: int, age_s: float) -> Path:
+    path = images / name
+    path.mkdir(parents=True)
+    (path / "image.json").write_text("{}")
+    (path / "root.erofs").write_bytes(b"x" * size)
+    past = time.time() - age_s
+    os.utime(path, (past, past))
+    return path
 
-    from gym_fork.hosts.microvm import image
 
-    monkeypatch.setattr(image, "images_dir", lambda: tmp_path)
-    now = time.time()
-    ages = {"a": 5000, "b": 4000, "c": 3000, "d": 2000, "e": 1000, "fresh": 10}
-    for name, age in ages.items():
-        (tmp_path / name).mkdir()
-        os.utime(tmp_path / name, (now - age, now - age))
-    (tmp_path / ".build-tmp").mkdir()
-    removed = image._prune_images(keep=tmp_path / "a")
-    assert sorted(p.name for p in removed) == ["b", "c"]  # fresh, e, d newest; a current
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == [".build-tmp", "a", "d", "e", "fresh"]
-    (tmp_path / "g").mkdir()  # a new image pushes d out; fresh (10 s old) stays
-    os.utime(tmp_path / "fresh", (now - 10, now - 5000 + 4990))
-    assert [p.name for p in image._prune_images(keep=tmp_path / "a")] == ["d"]
-    (tmp_path / "h").mkdir()  # e falls beyond the newest three, but is younger than this:
-    monkeypatch.setattr(image, "PRUNE_AFTER_S", 1500.0)
-    assert image._prune_images(keep=tmp_path / "a") == []
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYM_FORK_CACHE", str(tmp_path))
+    monkeypatch.delenv("GYM_FORK_VM_BOOT_CACHE", raising=False)
+    monkeypatch.delenv("GYM_FORK_VM_IMAGE_CACHE_MB", raising=False)
+    monkeypatch.setattr(image_cache, "_held", {})
+    yield tmp_path
+    image_cache.release_all()
+
+
+def test_the_image_cache_evicts_the_least_recently_used_down_to_its_bound(cache, monkeypatch):
+    images = cache / "images"
+    mib = 1 << 20
+    _fake_image(images, "a", mib, 5000)
+    _fake_image(images, "b", mib, 4000)
+    c = _fake_image(images, "c", mib, 3000)
+    current = _fake_image(images, "current", mib, 6000)  # the one in use: oldest, kept
+    (images / ".build-x").mkdir()  # a build in progress is not an image
+    boot = cache / "boot-templates"
+    boot.mkdir()
+    (boot / "a-0123.boot").write_bytes(b"t")
+    (boot / "c-0123.boot").write_bytes(b"t")
+    monkeypatch.setenv("GYM_FORK_VM_IMAGE_CACHE_MB", "3")  # 4 images of 1 MiB + metadata
+    removed = image_cache.evict(keep=current)
+    assert [p.name for p in removed] == ["a", "b"]  # oldest first, until the rest fit
+    assert sorted(p.name for p in images.iterdir()) == [".build-x", "c", "current"]
+    assert sorted(p.name for p in boot.iterdir()) == ["c-0123.boot"]  # a's went with it
+    assert image_cache.evict(keep=current) == []  # within the bound now
+    assert image_cache.hold(c)  # used now: the most recent; another process would keep it
+    monkeypatch.setenv("GYM_FORK_VM_IMAGE_CACHE_MB", "0")
+    assert image_cache.hold(c)  # a second user of it in this process
+    assert image_cache.evict(keep=current) == []  # held by this process: stays
+    image_cache.release(c)
+    assert image_cache.evict(keep=current) == [] and c.exists()  # one user left
+    image_cache.release(c)
+    assert image_cache.evict(keep=current) == [c]  # released: evicted
+    assert current.exists()
+    monkeypatch.setenv("GYM_FORK_VM_IMAGE_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="GYM_FORK_VM_IMAGE_CACHE_MB='lots'"):
+        image_cache.evict(keep=current)
+
+
+def test_an_image_another_process_uses_is_neither_evicted_nor_cleared(cache):
+    images = cache / "images"
+    used = _fake_image(images, "used", 1 << 20, 5000)
+    free = _fake_image(images, "free", 1 << 20, 4000)
+    (used / image_cache.LOCK_NAME).touch()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_SH); "
+            "print('held', flush=True); sys.stdin.read()",
+            str(used / image_cache.LOCK_NAME),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert image_cache.evict(keep=images / "none", bound=0) == [free]
+        _fake_image(images, "free2", 1 << 20, 3000)
+        done = image_cache.clear()
+        assert done.images == 1 and done.kept_in_use == ["used"]
+        assert sorted(p.name for p in images.iterdir()) == ["used"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert image_cache.clear().images == 1  # released: now it goes
+    assert list(images.iterdir()) == []
+
+
+def test_clear_removes_images_and_boot_templates_and_counts_what_it_freed(cache):
+    images = cache / "images"
+    _fake_image(images, "one", 3 << 20, 1000)
+    _fake_image(images, "two", 2 << 20, 2000)
+    # no lock file (an older gym_fork's) and built a minute ago: its user may be running
+    _fake_image(images, "young", 1 << 20, 60)
+    boot = cache / "boot-templates"
+    boot.mkdir()
+    (boot / "one-abc.boot").write_bytes(b"b" * (1 << 20))
+    (boot / ".one-abc.boot.123.tmp").write_bytes(b"partial")
+    stale = images / ".build-old"
+    stale.mkdir()
+    (stale / "root.erofs").write_bytes(b"s" * 4096)
+    past = time.time() - 2 * image_cache.STALE_BUILD_S
+    os.utime(stale, (past, past))
+    fresh = images / ".build-now"  # another process is building it
+    fresh.mkdir()
+    done = image_cache.clear()
+    assert (done.images, done.boot_templates, done.kept_in_use) == (2, 2, ["young"])
+    assert 6 << 20 <= done.freed_bytes <= 7 << 20  # 3 + 2 + 1 MiB and some metadata
+    assert sorted(p.name for p in images.iterdir()) == [".build-now", "young"]
+    assert list(boot.iterdir()) == []
+
+
+def _dist(site: Path, name: str, files: list[str], requires: list[str] = ()) -> None:
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", "Version: 1.0"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(meta) + "\n")
+    record = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"]
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in record))
+    for f in files:
+        (site / f).parent.mkdir(parents=True, exist_ok=True)
+        (site / f).write_text("")
+
+
+def test_an_image_packs_the_imported_distributions_and_what_they_require(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    _dist(site, "Env_Pkg", ["envpkg/__init__.py"], ["helper-lib>=1", "plotting; extra == 'viz'"])
+    _dist(site, "helper.lib", ["helper/__init__.py", "helper.libs/libh.so"])
+    _dist(site, "plotting", ["plotting/__init__.py"])  # only an extra of envpkg's
+    _dist(site, "bigtorch", ["bigtorch/__init__.py"])  # installed, never imported
+    (site / "loose_module.py").write_text("")
+    (site / "something.pth").write_text("")
+    monkeypatch.setattr(selection, "site_dirs", lambda: [str(site)])
+    monkeypatch.delenv("GYM_FORK_VM_PACKAGES", raising=False)
+    chosen = selection.select(entries={str(site / "envpkg")})
+    assert chosen.distributions == ("env-pkg", "helper-lib")
+    names = {Path(e).name for e in chosen.entries}
+    assert {"envpkg", "helper", "helper.libs", "loose_module.py", "something.pth"} <= names
+    assert {"Env_Pkg-1.0.dist-info", "helper.lib-1.0.dist-info"} <= names
+    assert not names & {"plotting", "bigtorch", "bigtorch-1.0.dist-info"}
+    monkeypatch.setenv("GYM_FORK_VM_PACKAGES", "Plotting")
+    assert selection.select(entries=set()).distributions == ("plotting",)
+    monkeypatch.setenv("GYM_FORK_VM_PACKAGES", "plotting,no-such-thing")
+    with pytest.raises(selection.UnknownPackage, match="no-such-thing, not installed"):
+        selection.select(entries=set())
+    monkeypatch.setenv("GYM_FORK_VM_PACKAGES", "all")
+    assert selection.select(entries=set()).everything
+
+
+def test_this_process_imports_are_found_in_their_site_dirs():
+    import numpy
+
+    sites = selection.site_dirs()
+    found = selection.imported_entries(sites)
+    assert os.path.dirname(os.path.realpath(numpy.__file__)) in found
+    assert all(os.path.dirname(e) in sites for e in found)
 
 
 def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path, monkeypatch):
@@ -164,7 +300,7 @@ def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path
     (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF")
     calls = []
 
-    def collect(python: str) -> image._Manifest:
+    def collect(python: str, chosen) -> image._Manifest:
         calls.append(python)
         manifest = image._Manifest()
         manifest.add_tree(str(tree))
@@ -180,21 +316,21 @@ def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path
     monkeypatch.setattr(image, "_collect", collect)
     monkeypatch.setattr(image, "_collected", {})
     age(tree, tree / "pkg", tree / "pkg" / "ext.so")
-    first = image._collect_memoised("py")
-    assert image._collect_memoised("py") is first and len(calls) == 1
+    first = image._collect_memoised("py", NONE)
+    assert image._collect_memoised("py", NONE) is first and len(calls) == 1
     before = first.digest([])
     (tree / "pkg" / "mod.py").write_text("x = 2  # edited in place\n")
-    assert image._collect_memoised("py") is first  # same entries; the digest sees the edit
+    assert image._collect_memoised("py", NONE) is first  # same entries; the digest sees the edit
     assert first.digest([]) != before
     (tree / "pkg" / "new.py").write_text("y = 1\n")  # a new file: its directory changed
-    second = image._collect_memoised("py")
+    second = image._collect_memoised("py", NONE)
     assert second is not first and str(tree / "pkg" / "new.py") in second.entries
     assert len(calls) == 2
-    assert image._collect_memoised("py") is second or len(calls) == 3  # racy: not kept
+    assert image._collect_memoised("py", NONE) is second or len(calls) == 3  # racy: not kept
     age(tree / "pkg")
-    third = image._collect_memoised("py")
-    assert image._collect_memoised("py") is third
+    third = image._collect_memoised("py", NONE)
+    assert image._collect_memoised("py", NONE) is third
     count = len(calls)
     (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF rebuilt")  # its libraries may differ
-    assert image._collect_memoised("py") is not third and len(calls) == count + 1
-    assert image._collect_memoised("py", force=True) and len(calls) == count + 2
+    assert image._collect_memoised("py", NONE) is not third and len(calls) == count + 1
+    assert image._collect_memoised("py", NONE, force=True) and len(calls) == count + 2

@@ -76,21 +76,36 @@ def probe_kvm(image: GuestImage) -> dict:
     return {"kvm": True, "why": "a guest kernel boots under KVM", "probe_s": round(seconds, 2)}
 
 
+def _verdicts_path():
+    return cache_root() / "accel.json"
+
+
+def cached_verdict(image: GuestImage) -> dict | None:
+    """The cached probe verdict for ``image`` (``None``: not probed yet); reads only."""
+    try:
+        cached = json.loads(_verdicts_path().read_text())
+    except (OSError, ValueError):
+        return None
+    verdict = cached.get(_probe_key(image)) if isinstance(cached, dict) else None
+    return verdict if isinstance(verdict, dict) and "kvm" in verdict else None
+
+
 def choose_accel(image: GuestImage) -> tuple[str, str]:
     """``("kvm" | "tcg", reason)``: forced by GYM_FORK_VM_ACCEL, else the cached probe."""
     forced = os.environ.get("GYM_FORK_VM_ACCEL")
     if forced in ("kvm", "tcg"):
         return forced, "GYM_FORK_VM_ACCEL"
-    path = cache_root() / "accel.json"
-    key = _probe_key(image)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    verdict = cached.get(key)
+    verdict = cached_verdict(image)
     if verdict is None:
         verdict = probe_kvm(image)
-        cached[key] = verdict
+        path = _verdicts_path()
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if not isinstance(cached, dict):
+            cached = {}
+        cached[_probe_key(image)] = verdict
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cached, indent=1))

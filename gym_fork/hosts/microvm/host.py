@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import re
 import threading
 import time
@@ -44,8 +45,9 @@ from gym_fork.hosts.base import (
     init_message,
     raise_prepare_failure,
 )
+from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.accel import choose_accel
-from gym_fork.hosts.microvm.image import GuestImage, build_image
+from gym_fork.hosts.microvm.image import GuestImage, ImageError, build_image
 from gym_fork.hosts.microvm.machine import (
     Machine,
     MachineConfig,
@@ -241,6 +243,14 @@ class _VMSandbox:
         self.machine.kill()
 
 
+MISSING_MODULE_HINT = (
+    "host='microvm': the guest image packs the packages the controller had imported when "
+    "it was built, and what they require ({packs}). Import the missing package before "
+    "making the vector env, or name its distribution in GYM_FORK_VM_PACKAGES "
+    "(comma separated; 'all' packs the whole environment)."
+)
+
+
 class MicroVMHost(SharedByBranches):
     """Boots the warm parent VM once, freezes it, and restores clones of it."""
 
@@ -281,29 +291,42 @@ class MicroVMHost(SharedByBranches):
                 f"host='microvm' cannot run here: missing {'; '.join(missing)}. "
                 f"Install: {INSTALL_HINT}"
             )
+        self._image_held: pathlib.Path | None = None
         try:
-            self.image = image or build_image()
+            self.image = self._held_image(image)
         except Exception as exc:
             self.output.close()
             raise SandboxStartError(f"host='microvm': no guest image: {exc}") from exc
-        self.accel, self.accel_reason = choose_accel(self.image)
-        self.config = MachineConfig(
-            self.image,
-            self.accel,
-            config.vm_memory_mb,
-            region_bytes(config.ring_capacity),
-            config.vm_slab_mb << 20,
-            config.ring_capacity,
-            # GYM_FORK_VM_DOORBELL=0: idle guests keep polling (for measurements)
-            doorbell=os.environ.get("GYM_FORK_VM_DOORBELL", "1") != "0",
-        )
-        self.slab_min_bytes = self.config.slab_bytes  # sparse: costs nothing unused
-        self._die_with_controller = controller_is_main_thread()
         try:
+            self.accel, self.accel_reason = choose_accel(self.image)
+            self.config = MachineConfig(
+                self.image,
+                self.accel,
+                config.vm_memory_mb,
+                region_bytes(config.ring_capacity),
+                config.vm_slab_mb << 20,
+                config.ring_capacity,
+                # GYM_FORK_VM_DOORBELL=0: idle guests keep polling (for measurements)
+                doorbell=os.environ.get("GYM_FORK_VM_DOORBELL", "1") != "0",
+            )
+            self.slab_min_bytes = self.config.slab_bytes  # sparse: costs nothing unused
+            self._die_with_controller = controller_is_main_thread()
             self._boot_parent(config)
         except BaseException:
             self.close()
             raise
+
+    def _held_image(self, given: GuestImage | None) -> GuestImage:
+        """The image, held against eviction by other processes until :meth:`close`
+        (built again if one evicted it between the build and the hold)."""
+        for _ in range(3):
+            image = given or build_image()
+            if image_cache.hold(image.root.parent):
+                self._image_held = image.root.parent
+                return image
+            if given is not None:
+                raise ImageError(f"the guest image {image.root.parent} was removed")
+        raise ImageError("the guest image was removed each time it was built")
 
     # -- the warm parent --------------------------------------------------------------
     def _boot_parent(self, host_config: HostConfig) -> None:
@@ -369,7 +392,13 @@ class MicroVMHost(SharedByBranches):
                         f"the warm parent VM was not ready within {timeout} s ({self.accel})"
                     ) from None
         if reply.get("op") != "ready":
-            raise_prepare_failure(reply, "the warm parent VM", trusted=self.trusted)
+            try:
+                raise_prepare_failure(reply, "the warm parent VM", trusted=self.trusted)
+            except Exception as exc:
+                if "ModuleNotFoundError" in repr(reply):
+                    packs = ", ".join(self.image.distributions) or "the whole environment"
+                    exc.add_note(MISSING_MODULE_HINT.format(packs=packs))
+                raise
         return reply
 
     # -- clones ---------------------------------------------------------------------
@@ -636,6 +665,9 @@ class MicroVMHost(SharedByBranches):
         for machine in list(self._machines.values()):
             machine.kill()
         self._machines.clear()
+        held, self._image_held = getattr(self, "_image_held", None), None
+        if held is not None:
+            image_cache.release(held)
         if self.template is not None:
             self.template.close()
             self.template = None

@@ -1,11 +1,12 @@
 """Guest images: the host's Python environment packed read-only for a microVM.
 
-``build_image()`` collects the interpreter, its standard library, the virtual env
-gym_fork runs in (so the user's env code and packages are there), the directories on
-``sys.path``, and the shared libraries all of them load, at the same absolute paths
-as on the host. They become an erofs image (read-only, uncompressed: guest code under
-TCG should not spend time decompressing) plus an initramfs holding a static busybox,
-the kernel modules that mount the image, and ``/init``. Both are cached under a hash of
+``build_image()`` collects the interpreter, its standard library, the installed
+packages this process imports and what they require (:mod:`.selection`: not the whole
+virtual env), gym_fork, the other directories on ``sys.path``, and the shared libraries
+all of them load, at the same absolute paths as on the host. They become an erofs
+image (read-only, uncompressed: guest code under TCG should not spend time
+decompressing) plus an initramfs holding a static busybox, the kernel modules that
+mount the image, and ``/init``. Both are cached under a hash of
 what went in (every file's path, size, mtime and link target, the kernel, the init
 script; byte code in __pycache__ is packed but not hashed, since Python checks it
 against its source anyway), and that hash is part of the lineage baseline id.
@@ -24,16 +25,19 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gym_fork
 from gym_fork import progress
+from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.cpio import write_newc
+from gym_fork.hosts.microvm.image_cache import images_dir
 from gym_fork.hosts.microvm.kernel import Kernel, find_kernel
 from gym_fork.hosts.microvm.paths import cache_root
+from gym_fork.hosts.microvm.selection import Selection, select
 
-FORMAT = 1  # bump when the layout of an image changes
+FORMAT = 2  # bump when the layout of an image changes
 PACKAGE_ROOT = str(Path(gym_fork.__file__).resolve().parent.parent)
 
 # Directory names never packed: VCS data, caches, and the standard library's own tests
@@ -98,10 +102,7 @@ class GuestImage:
     python: str
     files: int
     root_bytes: int
-
-
-def images_dir() -> Path:
-    return cache_root() / "images"
+    distributions: tuple[str, ...] = ()  # what it packs of the installed packages
 
 
 def _busybox() -> str:
@@ -190,7 +191,11 @@ class _Manifest:
                 # hashed: Python writes it as it goes, and checks it against the source.
                 continue
             if kind == "file":
-                st = os.stat(path)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:  # removed since the walk (a temp file)
+                    h.update(f"- {path}\n".encode())
+                    continue
                 h.update(f"f {path} {st.st_size} {st.st_mtime_ns} {st.st_mode}\n".encode())
             else:
                 h.update(f"{kind[0]} {path} {value or ''}\n".encode())
@@ -255,22 +260,22 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def _collect_key(python: str) -> tuple:
+def _collect_key(python: str, selection: Selection) -> tuple:
     # Which sys.path entries exist too: one that appears is walked by a new collection.
     paths = tuple((entry, os.path.isdir(entry)) for entry in sys.path if entry)
-    return (python, paths, os.getcwd(), sys.prefix, sys.base_prefix, PACKAGE_ROOT)
+    return (python, paths, os.getcwd(), sys.prefix, sys.base_prefix, PACKAGE_ROOT, selection)
 
 
-def _collect_memoised(python: str, force: bool = False) -> _Manifest:
+def _collect_memoised(python: str, selection: Selection, force: bool = False) -> _Manifest:
     """:func:`_collect`, reused while :meth:`_Collected.still_valid` (never with
     ``force``)."""
-    key = _collect_key(python)
+    key = _collect_key(python, selection)
     with _collected_lock:
         known = _collected.get(key)
     if known is not None and not force and known.still_valid():
         return known.manifest
     started = time.time_ns()
-    manifest = _collect(python)
+    manifest = _collect(python, selection)
     dirs, elf = {}, {}
     try:
         for path, (kind, _) in manifest.entries.items():
@@ -287,25 +292,42 @@ def _collect_memoised(python: str, force: bool = False) -> _Manifest:
     return manifest
 
 
-def _collect(python: str) -> _Manifest:
+def _collect(python: str, selection: Selection) -> _Manifest:
     manifest = _Manifest()
     manifest.add(python)
     prefix = sys.prefix
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     stdlib = os.path.join(sys.base_prefix, "lib", version)
-    manifest.add_tree(stdlib, skip=SKIP_STDLIB | {"site-packages", "dist-packages"})
-    if prefix != sys.base_prefix:
+    # The static library and build files in config-3.X-<arch> (~45 MiB) link extensions;
+    # nothing at run time reads them.
+    config_dirs = {str(p) for p in Path(stdlib).glob("config-*")}
+    manifest.add_tree(
+        stdlib, skip=SKIP_STDLIB | {"site-packages", "dist-packages"}, prune=config_dirs
+    )
+    # Never the cache itself (a script run from a directory that holds it would pack the
+    # images it made), nor the venv again.
+    pruned = {os.path.realpath(prefix), os.path.realpath(cache_root())}
+    if selection.everything and prefix != sys.base_prefix:
         manifest.add_tree(prefix)
-    else:
-        for entry in sys.path:
-            if entry.endswith(("site-packages", "dist-packages")):
-                manifest.add_tree(entry)
-    manifest.add_tree(PACKAGE_ROOT, prune={os.path.realpath(prefix)})
+    elif prefix != sys.base_prefix:
+        manifest.add(os.path.join(prefix, "pyvenv.cfg"))  # how the guest finds its venv
+    for site in selection.site_dirs:
+        if selection.everything:
+            manifest.add_tree(site)
+            continue
+        manifest.add(site)
+        for entry in selection.entries:
+            if os.path.dirname(entry) == site:
+                manifest.add_tree(entry) if os.path.isdir(entry) else manifest.add(entry)
+    manifest.add_tree(PACKAGE_ROOT, prune=pruned)
+    sites = tuple(selection.site_dirs)
     for entry in [*sys.path, os.getcwd()]:
+        if entry and os.path.realpath(entry) in sites:
+            continue
         if entry and os.path.isdir(entry) and not entry.startswith(stdlib):
             if any(entry.startswith(p) for p in (prefix, PACKAGE_ROOT)):
                 continue
-            manifest.add_tree(entry, prune={os.path.realpath(prefix)})
+            manifest.add_tree(entry, prune=pruned)
     for lib in _shared_libraries(manifest.elf_files()):
         manifest.add(lib)
     for extra in ("/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group"):
@@ -329,8 +351,11 @@ def _stage(manifest: _Manifest, staging: Path, bar: progress.Task | None = None)
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(value, dest)
+            except FileNotFoundError:
+                continue  # removed since the walk: not packed
             except OSError:
-                shutil.copy2(value, dest)
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.copy2(value, dest)
 
 
 def _initramfs(kernel: Kernel, python: str, out: Path) -> None:
@@ -351,16 +376,63 @@ def _initramfs(kernel: Kernel, python: str, out: Path) -> None:
         write_newc(f, entries)
 
 
-def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestImage:
-    """The guest image for this interpreter and ``sys.path``, built once and cached
-    (with progress bars on a terminal unless ``quiet``)."""
-    say = log or (lambda _msg: None)
+# Packing rate of the last builds here when none is recorded yet (staging by hard links
+# plus an uncompressed mkfs.erofs; measured on the project's 2-core machine).
+DEFAULT_PACK_MIB_S = 60.0
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What :func:`build_image` would pack now, found without writing anything."""
+
+    digest: str
+    selection: Selection
+    files: int
+    packed_bytes: int  # the files' sizes: about the root image's size
+    kernel: Kernel
+    python: str
+    manifest: _Manifest = field(repr=False, compare=False)
+
+    @property
+    def target(self) -> Path:
+        return images_dir() / self.digest
+
+    @property
+    def cached(self) -> bool:
+        return (self.target / "image.json").exists()
+
+    def guest_image(self, meta: dict | None = None) -> GuestImage:
+        """The image at this plan's paths (``meta``: its image.json once built)."""
+        meta = meta or {}
+        return GuestImage(
+            self.digest,
+            self.target / "root.erofs",
+            self.target / "initramfs.cpio",
+            self.kernel,
+            self.python,
+            meta.get("files", self.files),
+            meta.get("root_bytes", self.packed_bytes),
+            tuple(meta.get("distributions", self.selection.distributions)),
+        )
+
+    def estimate_s(self) -> float:
+        """Seconds a build would take, at the rate the cached images were built at."""
+        rates = []
+        for path in image_cache.images_by_use():
+            with contextlib.suppress(OSError, ValueError, KeyError, ZeroDivisionError):
+                meta = json.loads((path / "image.json").read_text())
+                rates.append(meta["packed_bytes"] / meta["build_s"] / 2**20)
+        rate = sorted(rates)[len(rates) // 2] if rates else DEFAULT_PACK_MIB_S
+        return self.packed_bytes / 2**20 / max(rate, 1e-3)
+
+
+def plan_image(selection: Selection | None = None, *, force: bool = False) -> ImagePlan:
+    """The image this process would use (the packages it imports, :mod:`.selection`),
+    its digest and size; reads the environment and the cache, writes nothing."""
     kernel = find_kernel()
     python = sys.executable
-    if not shutil.which("mkfs.erofs"):
-        raise ImageError("building a guest image needs mkfs.erofs: apt-get install erofs-utils")
-    with progress.task("collecting the Python environment", quiet=quiet, delay=1.0):
-        manifest = _collect_memoised(python, force)
+    selection = select() if selection is None else selection
+    manifest = _collect_memoised(python, selection, force)
     digest = manifest.digest(
         [
             f"format {FORMAT}",
@@ -369,13 +441,72 @@ def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestI
             INIT_SCRIPT,
             python,
             PACKAGE_ROOT,
+            f"everything {selection.everything}",
+            *selection.distributions,
         ]
     )
-    target = images_dir() / digest
-    meta_path = target / "image.json"
-    if meta_path.exists() and not force:
-        meta = json.loads(meta_path.read_text())
-        return _image(digest, target, kernel, python, meta)
+    files = 0
+    packed = 0
+    for path, (kind, _) in manifest.entries.items():
+        if kind == "file":
+            files += 1
+            with contextlib.suppress(OSError):
+                packed += os.stat(path).st_size
+    return ImagePlan(digest, selection, files, packed, kernel, python, manifest)
+
+
+def _covering(plan: ImagePlan, tries: int = 2) -> list[ImagePlan]:
+    """Cached images (most recently used first) that pack everything ``plan`` does and
+    are still current: a process that imports less reuses a bigger image, instead of
+    building (and booting) one more."""
+    found = []
+    for path in reversed(image_cache.images_by_use()):
+        if len(found) >= tries or path.name == plan.digest:
+            continue
+        try:
+            meta = json.loads((path / "image.json").read_text())
+            theirs = Selection(
+                bool(meta["everything"]),
+                tuple(meta["site_dirs"]),
+                tuple(meta["distributions"]),
+                tuple(meta["entries"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        ours = plan.selection
+        if (
+            meta.get("format") != FORMAT
+            or theirs.site_dirs != ours.site_dirs
+            or theirs.everything != ours.everything
+            or not set(ours.entries) <= set(theirs.entries)
+        ):
+            continue
+        candidate = plan_image(theirs)
+        if candidate.digest == path.name:
+            found.append(candidate)
+    return found
+
+
+def build_image(
+    *, force: bool = False, log=None, quiet: bool = False, selection: Selection | None = None
+) -> GuestImage:
+    """The guest image for this interpreter, ``sys.path`` and the packages this process
+    imports (or ``selection``), built once and cached (with progress bars on a terminal
+    unless ``quiet``); the cache is then evicted down to its bound. A user of the image
+    holds it (:func:`.image_cache.hold`) so that no other process evicts it meanwhile."""
+    say = log or (lambda _msg: None)
+    if not shutil.which("mkfs.erofs"):
+        raise ImageError("building a guest image needs mkfs.erofs: apt-get install erofs-utils")
+    with progress.task("collecting the Python environment", quiet=quiet, delay=1.0):
+        plan = plan_image(selection, force=force)
+        candidates = [] if force else [plan] if plan.cached else [plan, *_covering(plan)]
+    for candidate in candidates:
+        with contextlib.suppress(OSError, ValueError):  # evicted meanwhile: build it
+            meta = json.loads((candidate.target / "image.json").read_text())
+            image_cache.touch(candidate.target)
+            return candidate.guest_image(meta)
+    target = plan.target
+    manifest = plan.manifest
     images_dir().mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=images_dir(), prefix=".build-") as tmp:
@@ -391,9 +522,19 @@ def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestI
             )
         if made.returncode != 0:
             raise ImageError(f"mkfs.erofs failed: {made.stderr.strip()}")
-        _initramfs(kernel, python, Path(tmp) / "initramfs.cpio")
-        files = sum(1 for kind, _ in manifest.entries.values() if kind == "file")
-        meta = {"files": files, "root_bytes": root.stat().st_size, "kernel": kernel.version}
+        _initramfs(plan.kernel, plan.python, Path(tmp) / "initramfs.cpio")
+        meta = {
+            "format": FORMAT,
+            "files": plan.files,
+            "root_bytes": root.stat().st_size,
+            "packed_bytes": plan.packed_bytes,
+            "build_s": round(time.perf_counter() - started, 3),
+            "kernel": plan.kernel.version,
+            "everything": plan.selection.everything,
+            "site_dirs": list(plan.selection.site_dirs),
+            "distributions": list(plan.selection.distributions),
+            "entries": list(plan.selection.entries),
+        }
         (Path(tmp) / "image.json").write_text(json.dumps(meta))
         shutil.rmtree(staging)
         with contextlib.suppress(FileNotFoundError):
@@ -401,45 +542,10 @@ def build_image(*, force: bool = False, log=None, quiet: bool = False) -> GuestI
         os.chmod(tmp, 0o755)
         os.rename(tmp, target)
         os.mkdir(tmp)  # TemporaryDirectory removes it again
+    image_cache.touch(target)
     say(
-        f"built guest image {digest}: {files} files, {meta['root_bytes'] >> 20} MiB "
-        f"in {time.perf_counter() - started:.1f} s"
+        f"built guest image {plan.digest}: {plan.files} files, {meta['root_bytes'] >> 20} MiB "
+        f"in {time.perf_counter() - started:.1f} s ({plan.selection.describe()})"
     )
-    _prune_images(keep=target)
-    return _image(digest, target, kernel, python, meta)
-
-
-# Guest images kept in the cache (each ~1.5 GB; a new one is built whenever the code or
-# environment it packs changes). Older ones go, but never one touched in the last minutes
-# (another process may be about to start a VM from it; a running QEMU holds its files open).
-KEEP_IMAGES = 3
-PRUNE_AFTER_S = 600.0
-
-
-def _prune_images(keep: Path) -> list[Path]:
-    """Remove all but the KEEP_IMAGES newest images (``keep`` always stays)."""
-    try:
-        found = [p for p in images_dir().iterdir() if p.is_dir() and not p.name.startswith(".")]
-    except OSError:
-        return []
-    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    removed = []
-    now = time.time()
-    for path in found[KEEP_IMAGES:]:
-        if path == keep or now - path.stat().st_mtime < PRUNE_AFTER_S:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def _image(digest: str, target: Path, kernel: Kernel, python: str, meta: dict) -> GuestImage:
-    return GuestImage(
-        digest,
-        target / "root.erofs",
-        target / "initramfs.cpio",
-        kernel,
-        python,
-        meta["files"],
-        meta["root_bytes"],
-    )
+    image_cache.evict(keep=target)
+    return plan.guest_image(meta)
