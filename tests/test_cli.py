@@ -123,8 +123,11 @@ def log(tmp_path) -> Path:
     return path
 
 
-def test_lineage_text_tree_stays_the_default(log, capsys):
+def test_lineage_text_shows_the_latest_run_unless_told(log, capsys):
+    # No run records in this log: each root is a run of its own, shown with no heading.
     assert main(["lineage", str(log)]) == 0
+    assert capsys.readouterr().out == "other-root baseline=0123456789abcdef x4 [open]\n"
+    assert main(["lineage", str(log), "--all"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "root baseline=4f3c2a1b9d8e7f60 x2 [open]"
     assert "└── grandchild from [2] x1 -> 1 sub-envs [closed]" in out
@@ -133,7 +136,7 @@ def test_lineage_text_tree_stays_the_default(log, capsys):
 
 def test_lineage_html_is_self_contained(log, tmp_path, capsys):
     page_path = tmp_path / "tree.html"
-    assert main(["lineage", str(log), "--html", str(page_path)]) == 0
+    assert main(["lineage", str(log), "--html", str(page_path), "--all"]) == 0
     assert "wrote" in capsys.readouterr().out
     page = page_path.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page

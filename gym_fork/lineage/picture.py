@@ -1,7 +1,9 @@
 """Pictures of a lineage log: a self-contained HTML page (inline SVG, no scripts, no
-network) and a PNG (matplotlib, extra ``plots``) of its branch trees.
+network) and a PNG (matplotlib, extra ``plots``) of its branch trees, one labelled band
+per run (start time, script, env ids; :mod:`gym_fork.lineage.runs`), the trees of a run
+side by side.
 
-``gym-fork lineage --html out.html --png out.png [LOG]`` writes both.
+``gym-fork lineage --html out.html --png out.png [LOG]`` writes both (of the latest run).
 
 A log is not trusted (a sandbox may have written lines into it): only typed events are
 drawn, every string from it is HTML-escaped (``html.escape``, quotes too) in text and

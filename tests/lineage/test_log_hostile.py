@@ -294,7 +294,7 @@ def hostile_events() -> list[dict]:
 def test_the_html_page_escapes_every_string_from_the_log(tmp_path):
     log_path = write_lines(tmp_path / "lineage.jsonl", hostile_events())
     page_path = tmp_path / "page.html"
-    assert cli.main(["lineage", str(log_path), "--html", str(page_path)]) == 0
+    assert cli.main(["lineage", str(log_path), "--html", str(page_path), "--all"]) == 0
     for page in (page_path.read_text(), render_html(read_log(log_path))):
         assert "<script" not in page.lower()
         assert ATTR not in page and 'onload="' not in page  # no attribute can open
