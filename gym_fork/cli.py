@@ -32,11 +32,35 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--steps", type=int, default=3000, help="steps each vector env takes (default: 3000)"
     )
-    sub.add_parser("doctor", help="what this host supports and what gym_fork will use")
+    doctor = sub.add_parser(
+        "doctor",
+        help="what this host supports and what gym_fork will use (only looks: builds "
+        "nothing, writes nothing)",
+    )
+    doctor.add_argument(
+        "--json",
+        action="store_true",
+        help="print the checks as JSON (schema gym_fork.doctor/1: name, status, detail, "
+        "required, data of each)",
+    )
     lineage = lineage_command.add_parser(sub)
-    image = sub.add_parser("image", help="microVM guest image and kernel")
-    image.add_argument("action", choices=["build", "kernel", "show", "clear-cache"])
-    image.add_argument("--force", action="store_true", help="rebuild even if cached")
+    image = sub.add_parser(
+        "image",
+        help="microVM guest image and kernel",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="actions:\n"
+        "  build        build the guest image this environment would use (cached)\n"
+        "  kernel       download Debian's kernel into the cache (apt-get download)\n"
+        "  show         what the image would pack and whether it is cached (builds nothing)\n"
+        "  clear-cache  remove the cached guest images and boot templates (not kernels),\n"
+        "               except images a running process uses; says how much it freed",
+    )
+    image.add_argument(
+        "action",
+        choices=["build", "kernel", "show", "clear-cache"],
+        help="what to do (see the actions above)",
+    )
+    image.add_argument("--force", action="store_true", help="build: rebuild even if cached")
     image.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     bench = sub.add_parser(
         "bench",
@@ -61,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "doctor":
         from gym_fork.doctor import run
 
-        return run()
+        return run(as_json=args.json)
     elif args.command == "image":
         return _image(args.action, args.force, args.quiet)
     elif args.command == "bench":
@@ -76,13 +100,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _image(action: str, force: bool, quiet: bool = False) -> int:
     """``gym-fork image build|kernel|show|clear-cache``: the microVM guest pieces."""
-    from gym_fork.hosts.microvm.image import ImageError, build_image
-    from gym_fork.hosts.microvm.kernel import KernelNotFound, fetch_debian_kernel, find_kernel
+    from gym_fork.hosts.microvm.image import ImageError, build_image, plan_image
+    from gym_fork.hosts.microvm.kernel import KernelNotFound, fetch_debian_kernel
 
     if action == "clear-cache":
-        from gym_fork.hosts.microvm.template_cache import cache_dir, clear
+        from gym_fork.hosts.microvm.image_cache import clear, images_dir
 
-        print(f"removed {clear()} boot template file(s) from {cache_dir()}")
+        done = clear()
+        print(
+            f"removed {done.images} guest image(s) and {done.boot_templates} boot template "
+            f"file(s): {done.freed_bytes / 2**20:.0f} MiB freed ({images_dir().parent})"
+        )
+        if done.kept_in_use:
+            print(f"kept {len(done.kept_in_use)} image(s) a running process may use")
         return 0
     try:
         if action == "kernel":
@@ -92,12 +122,14 @@ def _image(action: str, force: bool, quiet: bool = False) -> int:
             image = build_image(force=force, log=print, quiet=quiet)
             print(f"image {image.digest}: {image.root} + {image.initramfs}")
         else:
-            kernel = find_kernel()
-            image = build_image(log=print, quiet=quiet)
-            print(f"kernel  {kernel.version} ({kernel.vmlinuz})")
-            print(f"image   {image.digest}: {image.files} files, {image.root_bytes >> 20} MiB")
-            print(f"python  {image.python}")
-    except (ImageError, KernelNotFound) as exc:
+            plan = plan_image()
+            state = "cached" if plan.cached else f"not built (~{plan.estimate_s():.0f} s to build)"
+            print(f"kernel  {plan.kernel.version} ({plan.kernel.vmlinuz})")
+            print(f"image   {plan.digest}: {state}")
+            print(f"packs   {plan.files} files, {plan.packed_bytes / 2**20:.0f} MiB")
+            print(f"from    {plan.selection.describe()}")
+            print(f"python  {plan.python}")
+    except (ImageError, KernelNotFound, ValueError) as exc:
         print(f"gym-fork image {action}: {exc}")
         return 2
     return 0
