@@ -73,6 +73,7 @@ class VectorConfig:
     autoreset_mode: AutoresetMode = AutoresetMode.NEXT_STEP
     max_concurrency: int | None = None
     envs_per_worker: int = 1
+    batch_size: int | None = None  # send/recv: sub-envs per recv (EnvPool's batch mode)
     ring_bytes: int = DEFAULT_RING_BYTES
     check_actions: bool = False
     reset_mode: str = "in_place"
@@ -95,6 +96,7 @@ class VectorConfig:
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
         envs_per_worker: int | str = "auto",
+        batch_size: int | None = None,
         ring_bytes: int = DEFAULT_RING_BYTES,
         reset_mode: str = "in_place",
         gpu_fork_policy: str = "refuse",
@@ -135,6 +137,21 @@ class VectorConfig:
                     f"`max_concurrency` must be a positive or None, got {max_concurrency}."
                 )
         host = host or os.environ.get("GYM_FORK_HOST") or "process"
+        if batch_size is not None:
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
+                raise TypeError(f"`batch_size` must be an int or None, got {batch_size!r}")
+            if not 1 <= batch_size <= num_envs:
+                raise ValueError(
+                    f"`batch_size` must be in 1..{num_envs} (the number of sub-envs), "
+                    f"got {batch_size}"
+                )
+            batch_size = int(batch_size)
+            if envs_per_worker not in ("auto", 1):
+                raise ValueError(
+                    "batch_size (send/recv) needs one sandbox per sub-env: leave "
+                    f"envs_per_worker at 'auto' or 1, got {envs_per_worker!r}"
+                )
+            envs_per_worker = 1
         if envs_per_worker == "auto":
             envs_per_worker = auto_envs_per_worker(num_envs, reset_mode)
         if (
@@ -173,6 +190,7 @@ class VectorConfig:
             else AutoresetMode(autoreset_mode),
             max_concurrency=max_concurrency,
             envs_per_worker=envs_per_worker,
+            batch_size=batch_size,
             ring_bytes=ring_bytes,
             reset_mode=reset_mode,
             gpu_fork_policy=gpu_fork_policy,
@@ -198,6 +216,7 @@ class VectorConfig:
             self,
             num_envs=len(sources),
             envs_per_worker=1,
+            batch_size=None,
             origins=tuple(self.origins[i] for i in sources),
         )
 

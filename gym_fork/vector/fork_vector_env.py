@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from gymnasium import Env, Space
+from gymnasium.error import NoAsyncCallError
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import concatenate, create_empty_array
 
@@ -30,7 +31,9 @@ from gym_fork.transport.slab import async_shares, slab_node
 from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
+from . import batches as batch_mode
 from . import provenance
+from .batches import SENDING, Batches
 from .branching import clone_sandboxes
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
@@ -70,6 +73,9 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         envs_per_worker: sub-envs per sandbox: ``"auto"`` (one per sub-env up to the core
             count, then spread over one per core) or an int; fixed for the env's life
             (:func:`gym_fork.autotune` recommends one).
+        batch_size: EnvPool's batch mode: :meth:`async_reset`, :meth:`send` and
+            :meth:`recv` (the first ``batch_size`` sub-envs that finished), next to
+            ``step``; one sandbox per sub-env.
         ring_bytes: capacity of each direction of a worker's ring (a power of two).
         check_actions: refuse actions outside the action space before sending them.
         reset_mode: ``"in_place"``, or ``"clone"``: each reset starts from a fresh clone
@@ -116,6 +122,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
     autoreset_mode = _option("autoreset_mode")
     max_concurrency = _option("max_concurrency")
     envs_per_worker = _option("envs_per_worker")
+    batch_size = _option("batch_size")
     ring_bytes = _option("ring_bytes")
     check_actions = _option("check_actions")
     reset_mode = _option("reset_mode")
@@ -139,6 +146,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         max_concurrency: int | None = None,
         *,
         envs_per_worker: int | str = "auto",
+        batch_size: int | None = None,
         ring_bytes: int = DEFAULT_RING_BYTES,
         check_actions: bool = False,
         reset_mode: str = "in_place",
@@ -169,6 +177,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             autoreset_mode=autoreset_mode,
             max_concurrency=max_concurrency,
             envs_per_worker=envs_per_worker,
+            batch_size=batch_size,
             ring_bytes=ring_bytes,
             check_actions=check_actions,
             reset_mode=reset_mode,
@@ -249,6 +258,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         self._obs_in_slab = obs_in_slab
         self.observations = observations
         self._actions = ActionWriter(spaces, sandboxes.slabs, self.config.check_actions)
+        self._batches = Batches(self.config.batch_size) if self.config.batch_size else None
         self._lineage = None
         try:
             self._lineage = record(self)
@@ -426,6 +436,56 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         observations = self._observations_out()
         return observations, rewards, terminations, truncations, infos
 
+    # -- batch mode (batch_size=k) ---------------------------------------------------
+    def async_reset(
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Batch mode: reset every sub-env (or ``options["reset_mask"]``'s) without
+        waiting; :meth:`recv` returns them as they finish (reward 0, not done)."""
+        batches = self._batch_mode("async_reset")
+        seeds, options, mask = self._plan_reset(seed, options)
+        self.sandboxes.replace_dead()
+        if self.config.reset_mode == "clone":
+            self.sandboxes.reset_by_clone(mask)
+        args = {i: [[seeds[i], options, True]] for i in range(self.num_envs) if mask[i]}
+        self._state = SENDING
+        batch_mode.send(self, batches, P.RESET, args)
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Batch mode: step sub-envs ``env_ids`` (default: those the last :meth:`recv`
+        returned) with ``actions``, one each, without waiting."""
+        batches = self._batch_mode("send")
+        if self._state is not SENDING:
+            self._begin("send")
+        ids = batch_mode.check_ids(self, batches, env_ids, None)
+        per_env = batch_mode.actions_for(self, actions, len(ids))
+        self._state = SENDING
+        batch_mode.send(self, batches, P.STEP, {i: [a] for i, a in zip(ids, per_env, strict=True)})
+
+    def recv(self, timeout: float | None = None):
+        """Batch mode: (obs, rewards, terminations, truncations, infos) of the first
+        ``batch_size`` sub-envs that finished (fewer if fewer are running), their
+        indices in ``infos["env_id"]``."""
+        batches = self._batch_mode("recv")
+        if self._state is not SENDING or not batches.busy():
+            raise NoAsyncCallError(
+                "Calling `recv` without any prior call to `send` or `async_reset`.", "recv"
+            )
+        try:
+            batch_mode.wait(self, batches, timeout)
+            return batch_mode.take(self, batches)
+        finally:
+            if not batches.busy():
+                self._state = AsyncState.DEFAULT
+
+    def _batch_mode(self, what: str) -> Batches:
+        self._assert_is_running()
+        if self._batches is None:
+            raise ValueError(f"`{what}` needs batch mode: ForkVectorEnv(..., batch_size=k)")
+        return self._batches
+
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call a method (or read an attribute) of every sub-env; returns a tuple."""
         self.call_async(name, *args, **kwargs)
@@ -519,6 +579,12 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             terminate: Kill the sandboxes without closing the sub-envs.
         """
         timeout = 0 if terminate else timeout
+        if self._state is SENDING:  # batch mode: sub-envs still running, as usual at a close
+            try:
+                batch_mode.drain(self, self._batches, timeout)
+            except Exception:  # a timeout or a crash: the sandboxes are killed, not closed
+                terminate = True
+            self._state = AsyncState.DEFAULT
         terminate = self._finish_pending(timeout) or terminate
         self._teardown(terminate=terminate, timeout=timeout)
 

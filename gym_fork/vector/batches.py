@@ -1,0 +1,222 @@
+"""Batch mode (``batch_size=k``): ``send`` to some sub-envs, ``recv`` the first k done.
+
+EnvPool's asynchronous interface, next to the unchanged Gymnasium ``step``: with step
+times that vary, waiting for every sub-env (a synchronous step) leaves the fast ones
+idle behind the slowest; here each sub-env runs on as soon as its result is taken.
+
+One sandbox per sub-env (so worker k is sub-env k). ``send`` puts each action inside its
+sub-env's request record; ``recv`` polls the rings of the sub-envs still running (a
+shared-counter read each, no system call), in finish order: rounds that find nothing
+yield the core for a while, then sleep a little longer each round; every liveness slice
+they check that the running sandboxes are alive.
+A reset's result has reward 0 and no termination or truncation, as EnvPool's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import VectorEnv
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+
+from gym_fork.errors import BadActionError
+from gym_fork.transport.codec import pack
+from gym_fork.worker import protocol as P
+
+from .faults import LIVENESS_SLICE, Deadline, errors_exception
+from .frontend import is_int
+
+SPIN_S = 100e-6  # rounds of polls that find nothing yield the core for this long, then
+FIRST_SLEEP = 20e-6  # sleep this, then twice as long each round,
+LAST_SLEEP = 200e-6  # up to this: a result waits at most ~0.25 ms to be noticed
+
+
+class Sending:
+    """The async state while sub-envs run a ``send``/``async_reset`` whose results are not
+    all taken: Gymnasium's calls are refused until ``recv`` took them (their error names
+    ``recv``)."""
+
+    value = "recv"
+
+
+SENDING = Sending()
+
+
+class Batches:
+    """Which sub-envs are running, and the results that came and are not taken yet."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.running: dict[int, int] = {}  # sub-env -> the op it runs (RESET or STEP)
+        self.done: deque[tuple[int, int, Any, list]] = deque()  # (index, op, result, errors)
+        self.last_ids: list[int] | None = None
+
+    def busy(self) -> bool:
+        """True while results are owed to the caller."""
+        return bool(self.running or self.done)
+
+
+def send(env: Any, batches: Batches, op: int, args: dict[int, Any]) -> None:
+    """Send ``op`` with ``args[i]`` to each sub-env i (already checked free)."""
+    pool = env.sandboxes.pool
+    for index, arg in args.items():
+        worker = pool.workers[index]
+        seq = pool._next_seq()
+        worker.awaiting = seq
+        batches.running[index] = op
+        pool._send_record(worker, pack([op, seq, arg]), op)
+
+
+def check_ids(env: Any, batches: Batches, env_ids: Any, count: int | None) -> list[int]:
+    """``env_ids`` as a list of free sub-env indices (None: those of the last recv)."""
+    if env_ids is None:
+        if batches.last_ids is None:
+            raise ValueError("send() without env_ids needs a recv() first: pass env_ids")
+        ids = list(batches.last_ids)
+    else:
+        if is_int(env_ids):
+            env_ids = [env_ids]
+        ids = [int(i) if is_int(i) else i for i in np.asarray(env_ids).ravel().tolist()]
+        bad = [i for i in ids if not is_int(i) or not 0 <= i < env.num_envs]
+        if bad:
+            raise ValueError(f"env_ids must be sub-env indices in [0, {env.num_envs}), got {bad}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"env_ids repeat a sub-env: {ids}")
+    taken = [i for i in ids if i in batches.running or any(d[0] == i for d in batches.done)]
+    if taken:
+        raise ValueError(
+            f"sub-env(s) {taken} still owe a result: recv() it before sending them again"
+        )
+    if count is not None and count != len(ids):
+        raise BadActionError(f"{count} actions for {len(ids)} env_ids {ids}")
+    return ids
+
+
+def actions_for(env: Any, actions: Any, count: int) -> list[Any]:
+    """One action per sub-env of a batch of ``count`` (checked against the space)."""
+    space = batch_space(env.single_action_space, count)
+    if isinstance(actions, np.ndarray) and space.shape and actions.shape[:1] != (count,):
+        raise BadActionError(
+            f"expected {count} actions of {env.single_action_space}, got an array of "
+            f"shape {actions.shape}"
+        )
+    try:
+        per_env = list(iterate(space, actions))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BadActionError(f"actions do not fit {space}: {exc}") from exc
+    if len(per_env) != count:
+        raise BadActionError(f"expected {count} actions, got {len(per_env)}")
+    if env.config.check_actions:
+        outside = [k for k, a in enumerate(per_env) if not env.single_action_space.contains(a)]
+        if outside:
+            raise BadActionError(f"actions {outside} are outside {env.single_action_space}")
+    return per_env
+
+
+def wait(env: Any, batches: Batches, timeout: float | None) -> None:
+    """Until ``batch_size`` results (or every running one) came; the deadline is
+    ``timeout``, else the vector env's own (then the silent sandboxes are killed)."""
+    pool = env.sandboxes.pool
+    own = env.config.timeout
+    own_deadline = timeout is None and own is not None
+    deadline = Deadline(own if own_deadline else timeout)
+    wanted = min(batches.batch_size, len(batches.running) + len(batches.done))
+    pause = FIRST_SLEEP
+    idle_since = None
+    next_liveness = time.perf_counter() + LIVENESS_SLICE
+    while len(batches.done) < wanted:
+        found = False
+        for index in list(batches.running):
+            worker = pool.workers[index]
+            if worker.channel.inbox.pending():
+                op = batches.running.pop(index)
+                _op, _seq, result, errors = pool.receive(worker, Deadline(None), op)
+                batches.done.append((index, op, result, errors or []))
+                found = True
+        if found or len(batches.done) >= wanted:
+            pause, idle_since = FIRST_SLEEP, None
+            continue
+        now = time.perf_counter()
+        if idle_since is None:
+            idle_since = now
+        if now >= next_liveness:
+            next_liveness = now + LIVENESS_SLICE
+            for index in list(batches.running):
+                worker = pool.workers[index]
+                if not worker.alive():
+                    op = batches.running.pop(index)
+                    # What it published before it died is taken; else its crash is raised.
+                    _op, _seq, result, errors = pool.receive(worker, Deadline(0), op)
+                    batches.done.append((index, op, result, errors or []))
+        if deadline.expired():
+            what = "recv"
+            if own_deadline:
+                op = next(iter(batches.running.values()), P.STEP)
+                error = pool.kill_unanswered(op, what, own)
+                batches.running.clear()
+                raise error
+            raise multiprocessing.TimeoutError(
+                f"The call to `{what}` has timed out after {timeout} second(s): "
+                f"sub-envs {sorted(batches.running)} are still running."
+            )
+        if now - idle_since < SPIN_S:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, LAST_SLEEP)
+
+
+def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict]:
+    """The first ``batch_size`` results that came, as (obs, rewards, terminations,
+    truncations, infos) with ``infos["env_id"]``; a sub-env's error is raised (the
+    others stay, for the next recv)."""
+    count = min(batches.batch_size, len(batches.done))
+    taken = [batches.done.popleft() for _ in range(count)]
+    errors = [e for _index, _op, _result, errs in taken for e in errs]
+    if errors:
+        for entry in reversed([t for t in taken if not t[3]]):
+            batches.done.appendleft(entry)
+        raise errors_exception(errors, trusted=env.config.trusted)
+    slabs = env.sandboxes.slabs.slabs
+    single = env.single_observation_space
+    rewards = np.zeros(count, dtype=np.float64)
+    terminations = np.zeros(count, dtype=np.bool_)
+    truncations = np.zeros(count, dtype=np.bool_)
+    observations = []
+    infos: dict[str, Any] = {}
+    batch_infos = VectorEnv.__new__(VectorEnv)  # Gymnasium's info batching, for `count`
+    batch_infos.num_envs = count
+    for j, (index, op, result, _errors) in enumerate(taken):
+        obs_list, info_list = result
+        slab = slabs[index]
+        if env._obs_in_slab:
+            observations.append(slab.observations.read(0))
+        else:
+            observations.append(obs_list[0])
+        if op == P.STEP:
+            rewards[j] = slab.rewards[0]
+            terminations[j] = slab.terminations[0]
+            truncations[j] = slab.truncations[0]
+        if info_list is not None and info_list[0]:
+            infos = batch_infos._add_info(infos, info_list[0], j)
+    ids = [t[0] for t in taken]
+    batches.last_ids = ids
+    infos["env_id"] = np.array(ids, dtype=np.int32)
+    obs = concatenate(single, observations, create_empty_array(single, n=count, fn=np.zeros))
+    return obs, rewards, terminations, truncations, infos
+
+
+def drain(env: Any, batches: Batches, timeout: float | None) -> None:
+    """Wait for every running sub-env and drop all results (before a close)."""
+    batches.batch_size = len(batches.running) + len(batches.done)
+    try:
+        if batches.running:
+            wait(env, batches, timeout)
+    finally:
+        batches.running.clear()
+        batches.done.clear()
