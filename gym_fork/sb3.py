@@ -1,5 +1,5 @@
-"""Stable-Baselines3 adapter: ``from gym_fork.sb3 import ForkVecEnv``."""
+"""Stable-Baselines3 adapter: ``from gym_fork.sb3 import ForkVecEnv, fork_wrapped``."""
 
-from gym_fork.adapters.sb3 import ForkVecEnv
+from gym_fork.adapters.sb3 import ForkVecEnv, fork_wrapped
 
-__all__ = ["ForkVecEnv"]
+__all__ = ["ForkVecEnv", "fork_wrapped"]

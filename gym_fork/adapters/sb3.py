@@ -6,7 +6,9 @@ Install with ``pip install 'gym_fork[sb3]'``. ``ForkVecEnv(env_fns)`` replaces
 
 from __future__ import annotations
 
+import functools
 import operator
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,13 +26,15 @@ from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnvIndices,
     VecEnvObs,
     VecEnvStepReturn,
+    VecEnvWrapper,
 )
 
 from gym_fork.adapters.bridge import BridgedEnvFn
 from gym_fork.adapters.infos import unbatch_infos
+from gym_fork.adapters.sb3_wrappers import check_carried, copy_wrappers
 from gym_fork.errors import BadActionError
 
-__all__ = ["ForkVecEnv"]
+__all__ = ["ForkVecEnv", "fork_wrapped"]
 
 
 def _single(batch: Any, i: int) -> Any:
@@ -354,19 +358,35 @@ class ForkVecEnv(VecEnv):
         """Branch running sub-envs (see :meth:`gym_fork.ForkVectorEnv.fork`) as a new
         ``ForkVecEnv``; stepped with the source's actions it replays the source exactly.
 
-        Stateful SB3 wrappers around this env (``VecNormalize``, ``VecFrameStack``,
-        ``VecMonitor``) are not part of the branch: wrap it again, copying their state
-        where it matters (e.g. ``VecNormalize.obs_rms``).
+        Called on SB3 wrappers around this env (``VecNormalize(env).fork(...)``, as SB3
+        forwards the attribute) it returns the branch in copies of those wrappers, their
+        state carried (:func:`fork_wrapped`).
         """
         if indices is not None:  # SB3's conventions (negative from the end), as everywhere here
             indices = sb3_indices(indices, self.num_envs)
         branch = self.vector_env.fork(branch_id, indices, copies, reseed)
-        sources = [
-            i for i in (range(self.num_envs) if indices is None else indices) for _ in range(copies)
-        ]
         adapter = ForkVecEnv(branch)
+        sources = self.branch_sources(indices, copies)
         adapter.reset_infos = [deepcopy(self.reset_infos[i]) for i in sources]
         return adapter
+
+    def branch_sources(self, indices: VecEnvIndices, copies: int = 1) -> list[int]:
+        """For ``fork(..., indices, copies)``: the sub-env of this env that each sub-env of
+        the branch is a clone of."""
+        chosen = (
+            list(range(self.num_envs)) if indices is None else sb3_indices(indices, self.num_envs)
+        )
+        return [i for i in chosen for _ in range(copies)]
+
+    def getattr_recursive(self, name: str) -> Any:
+        """An attribute as SB3's wrappers forward it (``VecEnvWrapper.__getattr__``):
+        ``fork`` reached through wrappers forks through them (:func:`fork_wrapped`);
+        every other name is this env's own."""
+        if name == "fork":
+            chain = _forwarding_wrappers(self)
+            if chain:
+                return functools.partial(fork_wrapped, chain[-1])
+        return getattr(self, name)
 
     @property
     def lineage(self):
@@ -384,3 +404,59 @@ class ForkVecEnv(VecEnv):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _forwarding_wrappers(env: ForkVecEnv) -> list[VecEnvWrapper]:
+    """The VecEnvWrappers whose attribute forwarding is calling ``env`` right now,
+    innermost first: SB3's ``__getattr__`` -> ``getattr_recursive`` frames above this
+    one, each wrapping the one below. Empty when ``env`` was not reached that way."""
+    chain: list[VecEnvWrapper] = []
+    below: VecEnv = env
+    frame = sys._getframe(2)
+    try:
+        while frame is not None and frame.f_code.co_name in _FORWARDING:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, VecEnvWrapper) and owner.venv is below:
+                chain.append(owner)
+                below = owner
+            elif owner is not below:  # not the same wrapper's __getattr__ either
+                break
+            frame = frame.f_back
+    finally:
+        del frame
+    return chain
+
+
+_FORWARDING = ("getattr_recursive", "__getattr__")
+
+
+def fork_wrapped(
+    env: VecEnv,
+    branch_id: str,
+    indices: VecEnvIndices = None,
+    copies: int = 1,
+    reseed: int | Sequence[int | None] | None = None,
+) -> VecEnv:
+    """Fork the :class:`ForkVecEnv` under ``env``'s SB3 wrappers and wrap the branch in
+    copies of them, their state carried: ``VecNormalize``'s running mean and variance
+    copied (the branch updates its own copy), its returns and last observations, and
+    ``VecFrameStack``'s stacked frames, of the sub-envs the branch is cloned from
+    (``VecCheckNan`` and ``VecTransposeImage`` hold nothing more). Any other wrapper is
+    refused with a TypeError naming it, before anything is forked."""
+    chain: list[VecEnvWrapper] = []
+    inner = env
+    while isinstance(inner, VecEnvWrapper):
+        chain.append(inner)
+        inner = inner.venv
+    if not isinstance(inner, ForkVecEnv):
+        raise TypeError(
+            f"fork_wrapped needs a ForkVecEnv under the wrappers, found {type(inner).__name__}"
+        )
+    chain.reverse()
+    check_carried(chain)
+    branch = inner.fork(branch_id, indices, copies, reseed)
+    try:
+        return copy_wrappers(chain, branch, inner.branch_sources(indices, copies))
+    except BaseException:
+        branch.close()
+        raise

@@ -292,3 +292,97 @@ def test_malformed_sb3_actions_and_indices_are_named(closing):
         box.get_attr("t", indices=[1.0])
     with pytest.raises(TypeError, match="got str"):
         box.get_attr("t", indices="01")
+
+
+def _stepped(env: VecEnv, steps: int, seed: int = 0) -> VecEnv:
+    env.seed(seed)
+    env.reset()
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        env.step(rng.integers(2, size=env.num_envs))
+    return env
+
+
+def test_fork_through_vec_normalize_carries_its_statistics(closing):
+    source = closing(_stepped(VecNormalize(ForkVecEnv([short_cartpole] * N)), 9))
+    branch = closing(source.fork("normalised", indices=[-1, 0]))
+    assert isinstance(branch, VecNormalize) and isinstance(branch.venv, ForkVecEnv)
+    assert branch.num_envs == 2 and branch.venv.bridged
+    # Copied, not shared.
+    assert branch.obs_rms is not source.obs_rms and branch.ret_rms is not source.ret_rms
+    np.testing.assert_array_equal(branch.obs_rms.mean, source.obs_rms.mean)
+    np.testing.assert_array_equal(branch.obs_rms.var, source.obs_rms.var)
+    assert branch.obs_rms.count == source.obs_rms.count
+    np.testing.assert_array_equal(branch.returns, source.returns[[N - 1, 0]])
+    np.testing.assert_array_equal(branch.get_original_obs(), source.get_original_obs()[[N - 1, 0]])
+    # Stepped alike (statistics frozen: in training each updates them with its own
+    # batch), the branch normalises its sub-envs as its source does.
+    source.training = branch.training = False
+    rng = np.random.default_rng(1)
+    for step in range(6):
+        actions = rng.integers(2, size=N)
+        want = source.step(actions)
+        got = branch.step(actions[[N - 1, 0]])
+        for name, g, w in zip(("obs", "rewards", "dones"), got[:3], want[:3], strict=False):
+            np.testing.assert_array_equal(g, w[[N - 1, 0]], err_msg=f"step {step} {name}")
+    count = source.obs_rms.count
+    source.training = branch.training = True
+    branch.step(np.zeros(2, dtype=np.int64))
+    assert source.obs_rms.count == count and branch.obs_rms.count == count + 2
+
+
+def test_fork_through_vec_frame_stack_carries_the_stacked_frames(closing):
+    source = closing(_stepped(VecFrameStack(ForkVecEnv([short_cartpole] * N), n_stack=3), 5))
+    branch = closing(source.fork("stacked", indices=[2], copies=2))
+    assert isinstance(branch, VecFrameStack) and branch.num_envs == 2
+    stacked = source.stacked_obs.stacked_obs
+    np.testing.assert_array_equal(branch.stacked_obs.stacked_obs, stacked[[2, 2]])
+    assert branch.stacked_obs.stacked_obs is not stacked
+    for step in range(15):  # past an episode end (12 steps): the stack restarts alike
+        actions = np.array([step % 2] * N)
+        obs, _, dones, _ = source.step(actions)
+        b_obs, _, b_dones, _ = branch.step(actions[[2, 2]])
+        np.testing.assert_array_equal(b_obs, obs[[2, 2]], err_msg=f"step {step}")
+        assert b_dones.tolist() == [dones[2]] * 2
+
+
+def test_fork_through_stacked_wrappers_and_fork_wrapped(closing):
+    from gym_fork.sb3 import fork_wrapped
+
+    source = closing(
+        _stepped(VecCheckNan(VecNormalize(VecFrameStack(ForkVecEnv([short_cartpole] * N), 2))), 4)
+    )
+    source.venv.training = False  # the VecNormalize: frozen statistics (see above)
+    for k, fork in enumerate((source.fork, functools.partial(fork_wrapped, source))):
+        branch = closing(fork(f"nested-{k}", indices=[1]))
+        assert [
+            type(e) for e in (branch, branch.venv, branch.venv.venv, branch.venv.venv.venv)
+        ] == [
+            VecCheckNan,
+            VecNormalize,
+            VecFrameStack,
+            ForkVecEnv,
+        ]
+        obs, *_ = source.step(np.ones(N, dtype=np.int64))
+        b_obs, *_ = branch.step(np.ones(1, dtype=np.int64))
+        np.testing.assert_allclose(b_obs, obs[[1]], rtol=1e-6)
+    # The inner env forks plainly, unwrapped.
+    plain = closing(source.unwrapped.fork("plain", indices=[0]))
+    assert type(plain) is ForkVecEnv
+
+
+class _MyNormalize(VecNormalize):
+    """A subclass: it may hold state gym_fork does not know."""
+
+
+@pytest.mark.parametrize("wrap", [VecMonitor, _MyNormalize], ids=["VecMonitor", "subclass"])
+def test_fork_through_another_wrapper_is_refused_by_name(wrap, closing):
+    env = closing(wrap(VecNormalize(ForkVecEnv([counting_env] * 2))))
+    env.reset()
+    forked = []
+    env.unwrapped.fork = lambda *args, **kwargs: forked.append(args)  # a spy
+    with pytest.raises(
+        TypeError, match=rf"fork\(\) through {wrap.__name__}: .*env\.unwrapped\.fork"
+    ):
+        env.fork("refused")
+    assert forked == []  # refused before anything was forked
