@@ -567,6 +567,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
                 workers=sandboxes.pool.workers,
             ),
         )
+        provenance.warn_branch_lost_isolation(self.isolation, branch.isolation, plan.branch_id)
         return branch
 
     # -- close ----------------------------------------------------------------------

@@ -181,3 +181,28 @@ def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> N
             "gym_fork sandboxes run without: "
             + "; ".join(f"{layer} ({why})" for layer, why in sorted(missing.items()))
         )
+
+
+# A branch always shares its source's cgroups and any MAP_SHARED mapping it had.
+_BRANCH_INHERENT = {"cgroups", "shared_with_source"}
+
+
+def warn_branch_lost_isolation(
+    source: dict[str, Any], branch: dict[str, Any], branch_id: str
+) -> None:
+    """Warn once per set of layers when a branch lacks what its source had (a deep
+    fork chain meets Landlock's 16 and user namespaces' 32 nesting levels)."""
+    had = set(source.get("missing", {}))
+    lost = {
+        k: v
+        for k, v in branch.get("missing", {}).items()
+        if k not in had and k not in _BRANCH_INHERENT
+    }
+    key = ("branch", *sorted(lost))
+    if lost and key not in _WARNED_MISSING:
+        _WARNED_MISSING.add(key)
+        logger.warn(
+            f"gym_fork branch {branch_id!r} runs without what its source had: "
+            + "; ".join(f"{layer} ({why})" for layer, why in sorted(lost.items()))
+            + " (deep fork chains; see the FAQ, 'A deep search')"
+        )
