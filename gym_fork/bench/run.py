@@ -96,7 +96,7 @@ def _version(name: str) -> str | None:
 
 def run_bench(mode: str = "full", *, quiet: bool = False) -> dict[str, Any]:
     """Measure everything of ``mode`` ("full", "quick" or "tiny") and return the JSON-able
-    result (see docs/benchmarks.md for what each figure is)."""
+    result (see docs/benchmarks-notebook.md for what each figure is)."""
     sizes = MODES[mode]
     started = time.perf_counter()
     result: dict[str, Any] = {

@@ -20,7 +20,7 @@ from .region import Region
 
 CONTROL_BYTES = int(lib.gf_ring_control_size())
 # Busy-wait rounds before a futex sleep (pause x32, then sched_yield); measured in
-# docs/benchmarks.md. GYM_FORK_SPIN overrides it for tuning.
+# docs/benchmarks-notebook.md. GYM_FORK_SPIN overrides it for tuning.
 DEFAULT_SPIN = int(os.environ.get("GYM_FORK_SPIN", "400"))
 
 _REASONS = {

@@ -197,7 +197,7 @@ class Worker:
         n = len(self.slots)
         obs_leaf = slab.observations
         obs_out = None if obs_leaf is not None else [None] * n
-        # Hot path (docs/benchmarks.md, "where a small step's time goes"): the common
+        # Hot path (docs/benchmarks-notebook.md, "where a small step's time goes"): the common
         # leaves are plain arrays, read and written here without a call per leaf.
         plain_obs = type(obs_leaf) is _ArrayLeaf
         if plain_obs:
