@@ -43,17 +43,27 @@ __all__ = [
 
 
 def prestart(wait: bool = False) -> None:
-    """Start this process's zygote now (gym_fork/hosts/process/zygote.py), so that even
-    the first ``ForkVectorEnv`` starts in milliseconds: call it early, e.g. before
-    loading a model. In the background unless ``wait``."""
+    """Start this process's zygote now (gym_fork/hosts/process/zygote.py), so that the
+    first ``ForkVectorEnv`` finds it ready. Looking up ``gym_fork.ForkVectorEnv`` does
+    this already; call it after a bare ``import gym_fork``, before loading a model. It
+    imports in the background; ``wait``: until it is ready."""
     from gym_fork.hosts.process import zygote
 
     zygote.prestart(wait=wait)
 
 
+def _start_zygote_early() -> None:
+    # Only here, at the lookup of what builds a vector env: `import gym_fork` alone (the
+    # CLI, a warm parent, a sandbox) starts nothing.
+    from gym_fork.hosts.process import zygote
+
+    zygote.start_early()
+
+
 def __getattr__(name: str):
     # Lazy: the warm parent imports gym_fork.* without paying for the vector env.
     if name == "ForkVectorEnv":
+        _start_zygote_early()
         from gym_fork.vector.fork_vector_env import ForkVectorEnv
 
         return ForkVectorEnv
@@ -62,6 +72,7 @@ def __getattr__(name: str):
 
         return autotune
     if name == "make_vec":
+        _start_zygote_early()
         from gym_fork.make import make_vec
 
         return make_vec

@@ -371,6 +371,7 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
         init, _ = M.receive(sock, M.Init)
     except (EOFError, ConnectionError):
         return
+    assert isinstance(init, M.Init)  # receive gives only the kinds asked for
     if controller is None:
         controller = watch_controller(init.controller_pid)
         if init.die_with_controller:

@@ -238,6 +238,8 @@ class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
         return spec
 
     def _older(self, origin: str | None, cached: str | None) -> bool:
+        if origin is None:
+            return False
         try:
             status = os.stat(origin)
         except (OSError, TypeError):

@@ -3,11 +3,17 @@ parents.
 
 A warm parent must not be a fork of the user's process (threads, locks, a CUDA
 context), so it used to be a fresh interpreter: ~0.2 s of start-up and imports per
-vector env. A zygote pays that once per controller process (started lazily, or early
-with :func:`prestart`) and then forks one warm parent per request, which runs exactly
-what a freshly started one runs (``parent.run``) with the controller's current
-environment, stdout and stderr. The zygote does that one job: the controller watches
-each warm parent through the pidfd that comes with the answer.
+vector env. A zygote pays that once per controller process and then forks one warm
+parent per request, which runs exactly what a freshly started one runs (``parent.run``)
+with the controller's current environment, stdout and stderr. The zygote does that one
+job: the controller watches each warm parent through the pidfd that comes with the
+answer.
+
+Start: when the controller first looks up ``gym_fork.ForkVectorEnv`` or ``make_vec``
+(:func:`start_early`), so that it imports (~0.25 s of CPU) while the user's script goes
+on; else at :func:`prestart` or the first vector env. Starting costs the controller a
+``Popen``; the first fork waits for the zygote's ready message. ``import gym_fork``
+alone (the CLI, a warm parent, a sandbox) starts none.
 
 Lifetime: a zygote exits when the controller closes its socket (at exit) or dies. Its
 warm parents get SIGTERM when it exits (PDEATHSIG) and take their trees down, so a
@@ -15,7 +21,9 @@ zygote that failed one request is retired, never closed: it forks nothing more a
 exits once its last warm parent has. A zygote whose start-up inputs no longer match
 the controller's (interpreter, uid/gid, ``PYTHON*``, ``LD_*``, ``MALLOC_*``,
 ``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is kept until a third set of
-inputs appears (``MAX_ZYGOTES``), then retired the same way.
+inputs appears (``MAX_ZYGOTES``), then retired the same way. A zygote no vector env
+has used is killed instead: at exit (it may still be importing: an exit must not wait
+for that) and when a zygote for other start-up inputs starts.
 
 ``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
 """
@@ -121,21 +129,33 @@ def warm_parent_environment() -> dict[str, str]:
 
 
 class Zygote:
-    """Controller side of one zygote process."""
+    """Controller side of one zygote process.
 
-    def __init__(self, env: dict[str, str], timeout: float) -> None:
+    Starting one costs the controller a ``Popen`` (milliseconds); the zygote imports in
+    the background and says it is ready, which the first :meth:`fork_parent` waits for."""
+
+    def __init__(self, env: dict[str, str]) -> None:
         self.key = zygote_key(env)
         self._lock = threading.Lock()
         ours, self.process = start_interpreter("gym_fork.hosts.process.zygote_program", env)
         self.sock: socket.socket | None = ours
-        try:
-            M.receive_reply(ours, timeout, "zygote start", M.ZygoteReady)
-        except BaseException:
-            self.close()
-            raise
+        self.ready = False
+        self.forked = 0  # warm parents asked for; a zygote never asked gives way (_zygote_for)
 
     def alive(self) -> bool:
         return self.sock is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for the zygote's ready message (once): it started and pre-imported."""
+        with self._lock:
+            self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        if self.sock is None:
+            raise SandboxStartError("zygote start: closed")
+        if not self.ready:
+            M.receive_reply(self.sock, timeout, "zygote start", M.ZygoteReady)
+            self.ready = True
 
     def fork_parent(
         self, environ: dict[str, str], timeout: float
@@ -147,8 +167,9 @@ class Zygote:
         out_fd, err_fd = _output_fds()
         try:
             with self._lock:
-                if self.sock is None:
-                    raise SandboxStartError("zygote fork: closed")
+                self.forked += 1
+                self._wait_ready(timeout)
+                assert self.sock is not None  # _wait_ready refuses a closed zygote
                 request = M.ForkWarmParent(environ, process_state())
                 M.send(self.sock, request, (theirs.fileno(), out_fd, err_fd))
                 reply, fds = M.receive_reply(
@@ -164,6 +185,7 @@ class Zygote:
         if isinstance(reply, M.Refused):
             ours.close()
             raise SandboxStartError(f"zygote fork: {reply.error}")
+        assert isinstance(reply, M.WarmParentForked)  # receive_reply gives only those asked
         pids = pidfd_pids(fds[0]) if len(fds) == 1 else []
         if not pids or pids[-1] != reply.pid:
             M.close_fds(fds)
@@ -172,14 +194,24 @@ class Zygote:
         return ours, ProcessWatch(pids[0], fds[0])
 
     def retire(self) -> None:
-        """Fork nothing more; exit once every warm parent it forked has exited."""
-        with self._lock, contextlib.suppress(OSError, AttributeError):
-            M.send(self.sock, M.Retire())
+        """Fork nothing more; exit once every warm parent it forked has exited (at once
+        if it never forked one: then nothing of it is worth waiting for)."""
+        if not self.forked:
+            self.close()
+            return
+        with self._lock, contextlib.suppress(OSError):
+            if self.sock is not None:
+                M.send(self.sock, M.Retire())
         self._forget()
 
     def close(self) -> None:
-        """Exit now (its warm parents get SIGTERM and take their trees down)."""
+        """Exit now (its warm parents get SIGTERM and take their trees down). One that
+        never forked a warm parent is killed: it may still be importing, and an exit
+        must not wait for that."""
         self._forget()
+        if not self.forked:
+            with contextlib.suppress(OSError):
+                self.process.kill()
         try:
             self.process.wait(2.0)
         except subprocess.TimeoutExpired:
@@ -207,7 +239,6 @@ def _output_fds() -> tuple[int, int]:
 # -- the controller's zygotes -----------------------------------------------------------
 
 _zygotes: dict[tuple, Zygote] = {}
-_starting: dict[tuple, threading.Event] = {}
 _registry_lock = threading.Lock()
 
 
@@ -220,66 +251,66 @@ def fork_warm_parent(
     if not enabled():
         return None
     key = zygote_key(env)
+    zygote = None
     try:
-        zygote = _zygote_for(env, timeout)
-    except (OSError, SandboxStartError):
-        return None
-    try:
+        zygote = _zygote_for(env)
         return zygote.fork_parent(env, timeout)
     except (OSError, SandboxStartError):
         # Retired, not closed: its warm parents (other vector envs) die with it.
         with _registry_lock:
-            if _zygotes.get(key) is zygote:
+            if zygote is not None and _zygotes.get(key) is zygote:
                 _zygotes.pop(key).retire()
         return None
 
 
-def _zygote_for(env: dict[str, str], timeout: float) -> Zygote:
-    """The live zygote for ``env``'s key, started if there is none (older ones retired).
-
-    A zygote starts outside the registry lock (a fork of this process meanwhile must not
-    inherit a held lock); threads that need the same key wait for the one starting it."""
+def _zygote_for(env: dict[str, str]) -> Zygote:
+    """The live zygote for ``env``'s key, started if there is none. Starting one retires
+    those no vector env ever used (one started early, under start-up inputs the
+    controller changed since) and the oldest beyond ``MAX_ZYGOTES``."""
     key = zygote_key(env)
-    while True:
-        with _registry_lock:
-            zygote = _zygotes.get(key)
-            if zygote is not None and not zygote.alive():
-                _zygotes.pop(key).close()
-                zygote = None
-            if zygote is not None:
-                return zygote
-            starting = _starting.get(key)
-            if starting is None:
-                starting = _starting[key] = threading.Event()
-                break
-        starting.wait(timeout)  # another thread is starting it: then look again
-    try:
-        zygote = Zygote(env, timeout)
-    finally:
-        with _registry_lock:
-            _starting.pop(key, None)
-        starting.set()
     with _registry_lock:
-        _zygotes[key] = zygote
+        zygote = _zygotes.get(key)
+        if zygote is not None and not zygote.alive():
+            _zygotes.pop(key).close()
+            zygote = None
+        if zygote is not None:
+            return zygote
+        zygote = _zygotes[key] = Zygote(env)
+        for other in [k for k, z in _zygotes.items() if k != key and not z.forked]:
+            _zygotes.pop(other).retire()
         while len(_zygotes) > MAX_ZYGOTES:
             _zygotes.pop(next(iter(_zygotes))).retire()
     return zygote
 
 
 def prestart(wait: bool = False) -> None:
-    """Start this controller's zygote now (in a background thread unless ``wait``), so
-    that even the first vector env's warm parent is a fork: call it early, e.g. before
-    loading a model. Errors are left to the first vector env, which retries."""
+    """Start this controller's zygote now, so that even the first vector env's warm
+    parent is a fork: call it early, e.g. before loading a model. It imports in the
+    background; ``wait``: until it is ready. Errors are left to the first vector env,
+    which retries."""
+    if not enabled():
+        return
+    with contextlib.suppress(OSError, SandboxStartError):
+        zygote = _zygote_for(warm_parent_environment())
+        if wait:
+            zygote.wait_ready(60.0)
 
-    def start() -> None:
-        if enabled():
-            with contextlib.suppress(OSError, SandboxStartError):
-                _zygote_for(warm_parent_environment(), 60.0)
 
-    if wait:
-        start()
-    else:
-        threading.Thread(target=start, name="gym_fork-zygote-start", daemon=True).start()
+_started_early = False
+
+
+def start_early() -> None:
+    """Start the zygote when the controller first looks up ``gym_fork.ForkVectorEnv``
+    (or ``make_vec``): it imports while the controller goes on with the user's script,
+    and the first vector env finds it ready. Only in a controller that would use it: not
+    in a process of a tree (a warm parent, a sandbox, what env code starts: they have
+    the marker), not with zygotes off or another host by ``GYM_FORK_HOST``; once."""
+    global _started_early
+    if _started_early or SANDBOX_MARKER in os.environ:
+        return
+    _started_early = True
+    if os.environ.get("GYM_FORK_HOST", "process") in ("", "process"):
+        prestart()
 
 
 def running() -> list[tuple[int, int]]:
@@ -299,12 +330,10 @@ def shutdown() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """In a fork of the controller: the zygotes (and any start in progress, and the
-    lock's state) are the parent's. Drop them; this process starts its own if it needs
-    one."""
+    """In a fork of the controller: the zygotes (and the lock's state) are the
+    parent's. Drop them; this process starts its own if it needs one."""
     global _registry_lock
     _registry_lock = threading.Lock()
-    _starting.clear()
     for zygote in _zygotes.values():
         if zygote.sock is not None:
             zygote.sock.close()  # our copy only: the parent's stays connected

@@ -67,7 +67,7 @@ class ZygoteProcess:
             self.children.discard(pid)
 
     def serve(self) -> None:
-        watched = [self.sock, self.controller]
+        watched: list[socket.socket | int] = [self.sock, self.controller]
         while True:
             readable, _, _ = select.select(watched, [], [], 0.2)
             self.reap()
@@ -86,7 +86,7 @@ class ZygoteProcess:
                 continue
             if isinstance(message, M.Retire):
                 self.retired = True
-            elif self.retired:
+            elif self.retired or not isinstance(message, M.ForkWarmParent):
                 M.close_fds(fds)
             else:
                 self.fork(message, *fds)
