@@ -1,50 +1,97 @@
-"""Construction + first reset of CartPole x8: ForkVectorEnv (the first in a process, then
-later ones) against AsyncVectorEnv, interleaved in one process.
+"""Construction + first reset of CartPole x8, the first vector env of a fresh process:
+ForkVectorEnv against AsyncVectorEnv, each measurement in a new interpreter, the
+contenders interleaved, medians (min-max).
 
-    .venv/bin/python benchmarks/construction_report.py [--runs 16]
-    GYM_FORK_ZYGOTE=0 .venv/bin/python benchmarks/construction_report.py   # no zygote
+    .venv/bin/python benchmarks/construction_report.py [--runs 3] [--work 0 0.3 torch]
+
+Contenders: ``fork`` (``from gym_fork import ForkVectorEnv``: the lookup starts the
+zygote), ``fork-lazy`` (imported from its module: the zygote starts at construction, as
+``import gym_fork`` then ``gym_fork.ForkVectorEnv(...)`` later would not), ``async``
+(``gymnasium.vector.AsyncVectorEnv``). ``--work``: what the script does between its
+imports and the construction (a script that loads a model first): a number is seconds
+of sleep, anything else a module to import (``torch``). Also printed: the
+whole process's wall time and, for ForkVectorEnv, a second vector env of the process.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 
+IMPORTS = {
+    "fork": "from gym_fork import ForkVectorEnv as Vector\n",
+    "fork-lazy": "from gym_fork.vector.fork_vector_env import ForkVectorEnv as Vector\n",
+    "async": "Vector = gym.vector.AsyncVectorEnv\n",
+}
+
+SCRIPT = """
+import json, time
 import gymnasium as gym
-
-from gym_fork import ForkVectorEnv
-
-
-def cartpole() -> gym.Env:
-    return gym.make("CartPole-v1")
-
-
-def timed(make) -> float:
-    """Seconds for ``make()`` and its first reset (closed afterwards)."""
+{imports}
+{work}
+fns = [lambda: gym.make("CartPole-v1")] * 8
+figures = {{}}
+for name in ("first", "second"):
     started = time.perf_counter()
-    envs = make()
+    envs = Vector(fns)
     envs.reset(seed=0)
-    elapsed = time.perf_counter() - started
+    figures[name] = time.perf_counter() - started
     envs.close()
-    return elapsed
+print(json.dumps(figures))
+"""
+
+
+def work_code(work: str) -> str:
+    """The script's line for ``--work``: a sleep of that many seconds, or an import."""
+    try:
+        return f"time.sleep({float(work)})"
+    except ValueError:
+        return f"import {work}"
+
+
+def measure(kind: str, work: str) -> dict[str, float]:
+    """One fresh interpreter: its first and second vector env, and its wall time."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(imports=IMPORTS[kind], work=work_code(work))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the measuring process failed:\n{done.stderr[-3000:]}")
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": wall}
+
+
+def shown(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work", nargs="+", default=["0", "0.3"])
     args = parser.parse_args()
-    fns = [cartpole] * 8
-    fork, async_ = [], []
-    for _ in range(args.runs):
-        fork.append(timed(lambda: ForkVectorEnv(fns)))
-        async_.append(timed(lambda: gym.vector.AsyncVectorEnv(fns)))
-    later = fork[1:] or fork
-    print(
-        f"ForkVectorEnv: first {fork[0] * 1e3:.1f} ms, later median "
-        f"{statistics.median(later) * 1e3:.1f} ms; AsyncVectorEnv median "
-        f"{statistics.median(async_[1:] or async_) * 1e3:.1f} ms"
-    )
+    for work in args.work:
+        rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in IMPORTS}
+        for _ in range(args.runs):
+            for kind in IMPORTS:
+                rows[kind].append(measure(kind, work))
+        base = statistics.median(r["first"] for r in rows["async"])
+        print(f"--work {work}: seconds, median (min-max) of {args.runs} fresh processes")
+        for kind, runs in rows.items():
+            first = [r["first"] for r in runs]
+            print(
+                f"  {kind:9s} first env {shown(first)} = "
+                f"{statistics.median(first) / base:.1f}x async; second env "
+                f"{shown([r['second'] for r in runs])}; "
+                f"whole process {shown([r['process'] for r in runs])}"
+            )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ def _start_zygote_early() -> None:
     # CLI, a warm parent, a sandbox) starts nothing.
     from gym_fork.hosts.process import zygote
 
-    zygote.start_early()
+    if zygote.start_early():
+        # What the first vector env imports next, now, while the zygote starts (the
+        # first env: 0.086 s instead of 0.111 s, median of 5, 2 cores).
+        import gym_fork.hosts.process.host  # noqa: F401
 
 
 def __getattr__(name: str):

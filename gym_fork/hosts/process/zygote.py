@@ -299,18 +299,21 @@ def prestart(wait: bool = False) -> None:
 _started_early = False
 
 
-def start_early() -> None:
+def start_early() -> bool:
     """Start the zygote when the controller first looks up ``gym_fork.ForkVectorEnv``
     (or ``make_vec``): it imports while the controller goes on with the user's script,
     and the first vector env finds it ready. Only in a controller that would use it: not
     in a process of a tree (a warm parent, a sandbox, what env code starts: they have
-    the marker), not with zygotes off or another host by ``GYM_FORK_HOST``; once."""
+    the marker), not with zygotes off or another host by ``GYM_FORK_HOST``; once.
+    Returns whether it started one."""
     global _started_early
-    if _started_early or SANDBOX_MARKER in os.environ:
-        return
+    if _started_early or SANDBOX_MARKER in os.environ or not enabled():
+        return False
     _started_early = True
-    if os.environ.get("GYM_FORK_HOST", "process") in ("", "process"):
-        prestart()
+    if os.environ.get("GYM_FORK_HOST", "process") not in ("", "process"):
+        return False
+    prestart()
+    return True
 
 
 def running() -> list[tuple[int, int]]:
