@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,6 +203,23 @@ class IsolationReport:
 # ``ask(op, arg)``: send a request to the worker being forked (through the pool of the
 # vector env that owns it) and return its reply's result.
 AskWorker = Callable[[int, Any], Any]
+# ``ask_later(op, arg)``: the same request sent now; the function it returns waits for
+# the result (so that several workers can work on their requests at once).
+AskLater = Callable[[int, Any], Callable[[], Any]]
+
+
+@dataclass
+class ForkJob:
+    """The clones one running worker is to make: an order and a slab memfd each."""
+
+    source: WorkerHandle
+    orders: list[CloneOrder]
+    slab_fds: list[int]
+    ask_later: AskLater
+
+    def ask(self, op: int, arg: Any) -> Any:
+        """A request to the source, waited for."""
+        return self.ask_later(op, arg)()
 
 
 class Host(Protocol):
@@ -230,18 +247,14 @@ class Host(Protocol):
         ``attach``, the pickled attach argument, it maps its slab first)."""
         ...
 
-    def fork(
-        self,
-        source: WorkerHandle,
-        orders: Sequence[CloneOrder],
-        num_envs: int,
-        slab_fds: Sequence[int],
-        ring_capacity: int,
-        ask: AskWorker,
-    ) -> list[WorkerHandle]:
-        """Clone the running, idle worker ``source`` once per order, clone k with the
-        slab memfd ``slab_fds[k]``; each clone sends a HELLO. ``ask`` reaches the
-        source worker through its own vector env."""
+    def fork_many(
+        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+    ) -> list[list[WorkerHandle]]:
+        """Clone each job's running, idle source worker once per order (clone k with the
+        slab memfd ``slab_fds[k]``; each clone sends a HELLO), the sources working at
+        once where the host can; the clones of each job, in order. ``ask_later`` reaches
+        a source through its own vector env. If one fails, every clone made is killed and
+        released."""
         ...
 
     def alive(self) -> bool:
@@ -293,8 +306,43 @@ class SharedByBranches:
         if self._users <= 0:
             self.close()
 
+    def fork(
+        self,
+        source: WorkerHandle,
+        orders: Sequence[CloneOrder],
+        num_envs: int,
+        slab_fds: Sequence[int],
+        ring_capacity: int,
+        ask: AskWorker,
+    ) -> list[WorkerHandle]:  # pragma: no cover - every host defines it
+        raise NotImplementedError
+
+    def fork_many(
+        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+    ) -> list[list[WorkerHandle]]:
+        """One source after the other (hosts whose clones cannot overlap)."""
+        made: list[list[WorkerHandle]] = []
+        try:
+            for job in jobs:
+                made.append(
+                    self.fork(
+                        job.source, job.orders, num_envs, job.slab_fds, ring_capacity, job.ask
+                    )
+                )
+        except BaseException:
+            release_all(h for handles in made for h in handles)
+            raise
+        return made
+
     def close(self) -> None:  # pragma: no cover - every host defines it
         raise NotImplementedError
+
+
+def release_all(handles: Iterable[WorkerHandle]) -> None:
+    """Kill and release sandboxes that will not be used (a failed spawn or fork)."""
+    for handle in handles:
+        handle.kill()
+        handle.release()
 
 
 def init_message(config: HostConfig) -> dict[str, Any]:

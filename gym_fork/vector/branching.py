@@ -16,7 +16,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 from gym_fork import progress
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
-from gym_fork.hosts.base import CloneOrder, WorkerHandle
+from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
 
 from .frontend import ForkPlan
 from .lifecycle import Sandboxes
@@ -75,12 +75,13 @@ def clone_sandboxes(
 
 
 def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
+    """One fork job per source worker, all sent before any is waited for."""
     where = {i: k for k, w in enumerate(source.pool.workers) for i in w.indices}
     by_worker: dict[int, list[int]] = {}  # source worker position -> branch indices
     for j, i in enumerate(plan.sources):
         by_worker.setdefault(where[i], []).append(j)
-    handles: dict[int, WorkerHandle] = {}
     timeout = source.config.timeout
+    jobs = []
     for position, branch_indices in by_worker.items():
         worker = source.pool.workers[position]
         orders = [
@@ -93,21 +94,15 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
             for j in branch_indices
         ]
 
-        def ask(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
-            return source.pool.ask(worker, op, arg, timeout)
+        def ask_later(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
+            return source.pool.ask_later(worker, op, arg, timeout)
 
         slab_fds = [branch.slabs.slabs[j].region.fd for j in branch_indices]
-        try:
-            made = branch.host.fork(
-                worker, orders, branch.config.num_envs, slab_fds, branch.config.ring_bytes, ask
-            )
-        except BaseException:
-            for handle in handles.values():
-                handle.kill()
-                handle.release()
-            raise
-        for j, handle in zip(branch_indices, made, strict=True):
-            handles[j] = handle
+        jobs.append(ForkJob(worker, orders, slab_fds, ask_later))
+    made = branch.host.fork_many(jobs, branch.config.num_envs, branch.config.ring_bytes)
+    handles: dict[int, WorkerHandle] = {}
+    for branch_indices, clones in zip(by_worker.values(), made, strict=True):
+        handles.update(zip(branch_indices, clones, strict=True))
     return [handles[j] for j in range(branch.config.num_envs)]
 
 

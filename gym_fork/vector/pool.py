@@ -14,6 +14,7 @@ Concurrency: a pool is used from the controller's calling thread only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gymnasium import logger
@@ -211,18 +212,30 @@ class WorkerPool:
 
     def ask(self, worker: WorkerHandle, op: int, arg: Any, timeout: float | None) -> Any:
         """One request to one worker, its result (its error raised)."""
+        return self.ask_later(worker, op, arg, timeout)()
+
+    def ask_later(
+        self, worker: WorkerHandle, op: int, arg: Any, timeout: float | None
+    ) -> Callable[[], Any]:
+        """Send one request to one worker now; the function returned waits for its
+        result (its error raised; past ``timeout`` from now the worker is killed)."""
         seq = self._next_seq()
         worker.awaiting = seq
         self._send_record(worker, pack([op, seq, arg]), op)
-        try:
-            _op, _seq, result, errors = self.receive(worker, Deadline(timeout), op)
-        except WaitTimeout:
-            worker.kill()
-            raise self.crashed(
-                worker, f"during {P.NAMES[op]}: no answer within {timeout} s"
-            ) from None
-        if errors:
-            raise errors_exception(errors, trusted=self.trusted)
+        deadline = Deadline(timeout)
+
+        def result() -> Any:
+            try:
+                _op, _seq, value, errors = self.receive(worker, deadline, op)
+            except WaitTimeout:
+                worker.kill()
+                raise self.crashed(
+                    worker, f"during {P.NAMES[op]}: no answer within {timeout} s"
+                ) from None
+            if errors:
+                raise errors_exception(errors, trusted=self.trusted)
+            return value
+
         return result
 
     # -- faults ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,8 @@ from gymnasium import logger
 
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import (
-    AskWorker,
     CloneOrder,
+    ForkJob,
     HostConfig,
     IsolationReport,
     SharedByBranches,
@@ -28,6 +29,7 @@ from gym_fork.hosts.base import (
     WorkerSpec,
     init_message,
     raise_prepare_failure,
+    release_all,
 )
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
@@ -140,9 +142,7 @@ def _in_batches(items: Sequence[Any], slab_fds: Sequence[int], make) -> list[Wor
             end = start + SPAWN_BATCH
             handles += make(list(items[start:end]), list(slab_fds[start:end]))
     except BaseException:
-        for handle in handles:
-            handle.kill()
-            handle.release()
+        release_all(handles)
         raise
     return handles
 
@@ -361,50 +361,91 @@ class ProcessHost(SharedByBranches):
             for end, pid, watch in zip(ends, reply.pids, watches, strict=True)
         ]
 
-    def fork(
-        self,
-        source: WorkerHandle,
-        orders: Sequence[CloneOrder],
-        num_envs: int,
-        slab_fds: Sequence[int],
-        ring_capacity: int,
-        ask: AskWorker,
-    ) -> list[WorkerHandle]:
-        """Ask the worker ``source`` to fork its sub-envs (SPAWN_BATCH per request): the
-        clones' channels, sockets and output pipes travel on its side socket."""
-        return self._register(
-            _in_batches(
-                orders,
-                slab_fds,
-                lambda batch, fds: self._fork_batch(
-                    source, batch, num_envs, fds, ring_capacity, ask
-                ),
-            )
-        )
+    def fork_many(
+        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+    ) -> list[list[WorkerHandle]]:
+        """Every source gets its clones' channels, sockets and output pipes on its side
+        socket and its FORK request (SPAWN_BATCH clones per request) before any answer
+        is awaited, so that the sources fork at once. If one fails, every answer already
+        asked for is still taken (a source's side socket must not keep a stale one) and
+        every clone made is released."""
+        # A source takes one request at a time (its reply and side-socket answer are
+        # matched in order): its next batch is asked for once the last one is answered.
+        batches = [list(range(0, len(job.orders), SPAWN_BATCH)) for job in jobs]
+        pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
+        made: list[list[WorkerHandle]] = [[] for _ in jobs]
 
-    def _fork_batch(self, source, orders, num_envs, slab_fds, ring_capacity, ask):
+        def start_next(k: int) -> None:
+            if batches[k]:
+                first = batches[k].pop(0)
+                job, last = jobs[k], first + SPAWN_BATCH
+                finish = self._start_fork(
+                    job, job.orders[first:last], job.slab_fds[first:last], num_envs,
+                    ring_capacity,
+                )  # fmt: skip
+                pending.append((k, finish))
+
+        try:
+            for k in range(len(jobs)):
+                start_next(k)
+            while pending:
+                k, finish = pending.popleft()
+                made[k] += finish()
+                start_next(k)
+        except BaseException:
+            for k, finish in pending:  # asked for: take the answers, then release them
+                with contextlib.suppress(Exception):
+                    made[k] += finish()
+            release_all(h for handles in made for h in handles)
+            raise
+        for handles in made:
+            self._register(handles)
+        return made
+
+    def _start_fork(
+        self,
+        job: ForkJob,
+        orders: list[CloneOrder],
+        slab_fds: list[int],
+        num_envs: int,
+        ring_capacity: int,
+    ) -> Callable[[], list[WorkerHandle]]:
+        """Send one source its clones' fds and FORK request; returns what waits for the
+        answer and adopts the clones."""
+        source = job.source
         ends = [SandboxEnds(order.spec, ring_capacity, self.output) for order in orders]
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
             fds += [slab_fd, *end.fds()]
         clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
-
         link: SandboxLink = source.host_data
-
-        def exchange() -> tuple[list[int], list[ProcessWatch]]:
+        what = f"fork of {source.name}"
+        try:
             M.send(link.sock, M.CloneFds(len(orders)), fds)
             arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
-            pids = ask(P.FORK, arg)
+            waiting = job.ask_later(P.FORK, arg)
+        except BaseException:
+            for end in ends:
+                end.handed_over()
+                end.abort()
+            raise
+
+        def exchange() -> tuple[list[int], list[ProcessWatch]]:
+            pids = waiting()
             # The worker sent a pidfd of each clone on its side socket before replying.
-            what = f"fork of {source.name}"
             reply, pidfds = M.receive_reply(link.sock, 5.0, what, M.ClonesForked)
             if reply.pids != list(pids):
                 M.close_fds(pidfds)
                 raise SandboxStartError(f"{what}: pidfds do not match")
             return pids, adopt_pidfds(reply.pids, reply.pidfds, pidfds)
 
-        pids, watches = hand_over(ends, exchange)
-        return [end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)]
+        def finish() -> list[WorkerHandle]:
+            pids, watches = hand_over(ends, exchange)
+            return [
+                end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)
+            ]
+
+        return finish
 
     def _note_discarded_idle(self, discarded: list[list[Any]]) -> None:
         """The warm parent found idle sandboxes stopped when it was to hand them a spec:
