@@ -20,7 +20,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, Self
 
 import cloudpickle
 
@@ -295,7 +295,7 @@ class SharedByBranches:
 
     _users: int = 1
 
-    def acquire(self) -> SharedByBranches:
+    def acquire(self) -> Self:
         """One more vector env uses this host."""
         self._users += 1
         return self
@@ -383,7 +383,7 @@ def prepare_failure(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> None:
+def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> NoReturn:
     """Raise what the warm parent (``what``) raised while preparing the env_fns: the
     original exception with its traceback as a note (only when the sandbox is trusted:
     unpickling runs code), or a SandboxStartError carrying the text."""

@@ -56,11 +56,13 @@ def clone_sandboxes(
     started = time.perf_counter()
     config = source.config.for_branch(plan.sources)
     spaces = source_spaces.for_branch(observation_mode, plan.sources)
+    if source.host is None or source.slabs is None:
+        raise ValueError("fork: the source vector env is closed")
     branch = Sandboxes(config, source.host.acquire())
     try:
         branch.open_slabs(spaces, obs_in_slab, counts=[1] * config.num_envs)
         observations = _copy_rows(source, source_spaces, source_observations, branch, plan)
-        branch.attach_arg = dict(source.attach_arg, num_envs=config.num_envs)
+        branch.attach_arg = dict(source.attach_arg or {}, num_envs=config.num_envs)
         with progress.task(
             f"fork {plan.branch_id!r}: {config.num_envs} clones",
             quiet=config.num_envs < 32,
@@ -81,6 +83,8 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
     for j, i in enumerate(plan.sources):
         by_worker.setdefault(where[i], []).append(j)
     timeout = source.config.timeout
+    host, slabs = branch.host, branch.slabs
+    assert host is not None and slabs is not None  # opened by clone_sandboxes
     jobs = []
     for position, branch_indices in by_worker.items():
         worker = source.pool.workers[position]
@@ -97,9 +101,9 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
         def ask_later(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
             return source.pool.ask_later(worker, op, arg, timeout)
 
-        slab_fds = [branch.slabs.slabs[j].region.fd for j in branch_indices]
+        slab_fds = [slabs.slabs[j].region.fd for j in branch_indices]
         jobs.append(ForkJob(worker, orders, slab_fds, ask_later))
-    made = branch.host.fork_many(jobs, branch.config.num_envs, branch.config.ring_bytes)
+    made = host.fork_many(jobs, branch.config.num_envs, branch.config.ring_bytes)
     handles: dict[int, WorkerHandle] = {}
     for branch_indices, clones in zip(by_worker.values(), made, strict=True):
         handles.update(zip(branch_indices, clones, strict=True))
@@ -116,8 +120,6 @@ def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
     if branch.slabs.observation_layout is not None:
         return branch.slabs.observations()
     rows = list(iterate(source_spaces.observation_space, source_observations))
-    return concatenate(
-        single,
-        [rows[i] for i in plan.sources],
-        create_empty_array(single, n=len(plan.sources), fn=np.zeros),
-    )
+    # create_empty_array is typed as possibly None; for a space with n=... it never is.
+    out: Any = create_empty_array(single, n=len(plan.sources), fn=np.zeros)
+    return concatenate(single, [rows[i] for i in plan.sources], out)

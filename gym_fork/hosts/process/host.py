@@ -171,7 +171,7 @@ class EnvModules:
     MAX_NAMES = 20000
 
     def __init__(self) -> None:
-        self._by_digest: dict[bytes, list[str]] = {}
+        self._by_digest: dict[bytes, dict[str, Any]] = {}
 
     def known(self, env_fns: bytes) -> dict[str, Any] | None:
         """{"modules": names, "since": when they were vetted}, None if not learnt."""
@@ -310,6 +310,18 @@ class ProcessHost(SharedByBranches):
             )
         )
 
+    def _collector(self) -> OutputCollector:
+        """The sandboxes' output collector (closed hosts make no sandboxes)."""
+        if self.output is None:
+            raise SandboxStartError("the warm parent is closed: it makes no sandboxes")
+        return self.output
+
+    def _socket(self) -> socket.socket:
+        """The control socket to the warm parent (closed hosts have none)."""
+        if self.sock is None:
+            raise SandboxStartError("the warm parent is closed: it makes no sandboxes")
+        return self.sock
+
     def _register(self, handles: list[WorkerHandle]) -> list[WorkerHandle]:
         for handle in handles:
             self._handles[next(self._handle_ids)] = handle
@@ -329,7 +341,7 @@ class ProcessHost(SharedByBranches):
         ring_capacity: int,
         attach: bytes | None,
     ) -> list[WorkerHandle]:
-        ends = [SandboxEnds(spec, ring_capacity, self.output) for spec in specs]
+        ends = [SandboxEnds(spec, ring_capacity, self._collector()) for spec in specs]
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
             fds += [slab_fd, *end.fds()]
@@ -340,9 +352,10 @@ class ProcessHost(SharedByBranches):
 
         def exchange() -> tuple[M.Message, list[ProcessWatch]]:
             what = f"spawn {specs[0].name}"
+            sock = self._socket()
             with self._lock:
-                M.send(self.sock, request, fds)
-                reply, pidfds = M.receive_reply(self.sock, 60.0, what, M.Spawned, M.Refused)
+                M.send(sock, request, fds)
+                reply, pidfds = M.receive_reply(sock, 60.0, what, M.Spawned, M.Refused)
             if isinstance(reply, M.Refused):
                 return reply, []
             if len(reply.pids) != len(specs):
@@ -413,7 +426,7 @@ class ProcessHost(SharedByBranches):
         """Send one source its clones' fds and FORK request; returns what waits for the
         answer and adopts the clones."""
         source = job.source
-        ends = [SandboxEnds(order.spec, ring_capacity, self.output) for order in orders]
+        ends = [SandboxEnds(order.spec, ring_capacity, self._collector()) for order in orders]
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
             fds += [slab_fd, *end.fds()]
@@ -520,7 +533,7 @@ class ProcessHost(SharedByBranches):
         }
         no_new_privs = bool(own.get("no_new_privs"))
         measured = None if pid is None else measure(pid, self._writable_mounts())
-        if measured is not None and self.config.isolation.namespaces:
+        if pid is not None and measured is not None and self.config.isolation.namespaces:
             # Its own, or only claimed? Compared with the warm parent and with every other
             # sandbox of the tree (a source could have kept its clone in its namespaces).
             for other_pid in self._neighbours(pid):
