@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import functools
 import multiprocessing
+from typing import Any, TypeVar, cast
 
 
 class GymForkError(Exception):
@@ -18,9 +19,11 @@ class TransportError(GymForkError):
 
     ``worker`` names the sandbox whose ring misbehaved; ``reason`` is the ring's
     own diagnosis (``magic``, ``length``, ``sequence``, ``counters``, ``too_big``).
+    Where the controller killed the sandbox for it, ``indices`` are its sub-envs.
     """
 
     code = "transport"
+    indices: list[int]  # set only where the sandbox was killed for it
 
     def __init__(self, message: str, *, worker: str | None = None, reason: str = "") -> None:
         super().__init__(message)
@@ -173,10 +176,10 @@ def _known_exception(type_name: str) -> type | None:
     return None
 
 
-@functools.cache
-def like_builtin(
-    base: type[GymForkError], type_name: str, bases: tuple[str, ...] = ()
-) -> type[GymForkError]:
+_Error = TypeVar("_Error", bound=GymForkError)
+
+
+def like_builtin(base: type[_Error], type_name: str, bases: tuple[str, ...] = ()) -> type[_Error]:
     """``base``, also an instance of the exception type a sandbox named, or else of the
     nearest of its ``bases`` (their names, nearest first) that is a builtin, one of
     gym_fork's ``BadObservationError``/``BadActionError``/``EncodeError`` or a
@@ -184,6 +187,16 @@ def like_builtin(
     still works, without loading anything the sandbox sent. A type that cannot be mixed
     in or built from a message alone is passed over for its own nearest base
     (``UnicodeDecodeError``: ``UnicodeError``); none known gives ``base``."""
+    # The class made has ``base`` among its bases (or is ``base``): still a ``base``.
+    # A class is hashable; mypy does not see a type[...] as Hashable (python/mypy#11470).
+    made = _like_builtin(base, type_name, bases)  # type: ignore[arg-type]
+    return cast("type[_Error]", made)
+
+
+@functools.cache
+def _like_builtin(
+    base: type[GymForkError], type_name: str, bases: tuple[str, ...]
+) -> type[GymForkError]:
     for name in (type_name, *bases):
         known = _known_exception(name)
         for candidate in known.__mro__ if known is not None else ():
@@ -199,7 +212,9 @@ def _base_new(cls, *args, **kwargs):
     return BaseException.__new__(cls, *args)
 
 
-def _mixed(base: type[GymForkError], candidate: type, type_name: str) -> type | None:
+def _mixed(
+    base: type[GymForkError], candidate: type[Any], type_name: str
+) -> type[GymForkError] | None:
     """``base`` mixed with ``candidate``, or None if they cannot be. Types with a
     ``__new__`` of their own that refuses subclasses (MemoryError's free list) get
     BaseException's."""

@@ -29,6 +29,7 @@ from gym_fork.hosts.base import (
     WorkerHandle,
     WorkerSpec,
 )
+from gym_fork.hosts.output import OutputCollector
 from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import Worker
@@ -68,7 +69,8 @@ class InlineHost(SharedByBranches):
         self.config = config
         self.pid = os.getpid()
         self.gpu_pid: int | None = None  # nothing is forked
-        self.output = None
+        # None: the sub-envs write to the controller's own stdout and stderr.
+        self.output: OutputCollector | None = None
         self._closed = False
         self._threads: list[threading.Thread] = []
 

@@ -149,10 +149,10 @@ class OutputCollector:
                 self._streams.pop((key, name), None)
             if self._closed:
                 return
-            for fd, selector_key in list(self._selector.get_map().items()):
+            for selector_key in list(self._selector.get_map().values()):
                 if selector_key.data and selector_key.data[0] == key:
-                    self._selector.unregister(fd)
-                    os.close(fd)
+                    self._selector.unregister(selector_key.fd)
+                    os.close(selector_key.fd)
 
     def close(self) -> None:
         with self._lock:
@@ -163,9 +163,9 @@ class OutputCollector:
         self._thread.join(2.0)
         if self._echo is not None:
             self._echo.close()
-        for fd in list(self._selector.get_map()):
+        for key in list(self._selector.get_map().values()):
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.close(key.fd)
         self._selector.close()
         os.close(self._wake_w)
 
@@ -173,9 +173,9 @@ class OutputCollector:
         with self._lock:
             if self._closed:
                 return
-            for fd, key in list(self._selector.get_map().items()):
+            for key in list(self._selector.get_map().values()):
                 if key.data is not None:
-                    self._read(fd, key.data)
+                    self._read(key.fd, key.data)
 
     def _read(self, fd: int, data: tuple[str, str]) -> bool:
         """Read what is there; False at EOF (the fd is then unregistered and closed)."""

@@ -92,10 +92,9 @@ class BranchNode:
         if not self.seeds or all(s is None for s in self.seeds):
             return ""
         seeds = self.seeds
-        if all(isinstance(v, int) for v in seeds) and seeds == list(
-            range(seeds[0], seeds[0] + len(seeds))  # type: ignore[arg-type]
-        ):
-            return f"{seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+        ints = [v for v in seeds if isinstance(v, int)]
+        if len(ints) == len(seeds) and ints == list(range(ints[0], ints[0] + len(ints))):
+            return f"{ints[0]}..{ints[-1]}" if len(ints) > 1 else str(ints[0])
         return short_list(seeds, 6)
 
     def detail(self) -> str:
@@ -135,16 +134,17 @@ def branch_nodes(events: list[dict[str, Any]]) -> tuple[dict[str, BranchNode], l
     for e in valid_events(events):
         kind, branch_id = e["event"], e.get("branch_id")
         if kind in ("root_ready", "branch_created"):
+            new_id: str = e["branch_id"]  # a str in these events (event_problem)
             parent = e.get("parent_branch_id")
             up = latest.get(parent) if kind == "branch_created" and parent is not None else None
-            if up is not None and (tree[up], branch_id) in in_tree:
+            if up is not None and (tree[up], new_id) in in_tree:
                 continue  # a second record of this id in this tree
-            key, n = branch_id, 1
+            key, n = new_id, 1
             while key in nodes:
                 n += 1
-                key = f"{branch_id}#{n}"
+                key = f"{new_id}#{n}"
             node = BranchNode(
-                branch_id=branch_id,
+                branch_id=new_id,
                 parent_branch_id=parent,
                 baseline_id=e.get("baseline_id"),
                 num_envs=e.get("num_envs") or 0,
@@ -164,9 +164,9 @@ def branch_nodes(events: list[dict[str, Any]]) -> tuple[dict[str, BranchNode], l
             else:
                 roots.append(key)
                 tree[key] = key
-            in_tree.add((tree[key], branch_id))
+            in_tree.add((tree[key], new_id))
             nodes[key] = node
-            latest[branch_id] = key
+            latest[new_id] = key
         elif branch_id in latest:
             node = nodes[latest[branch_id]]
             if kind == "closed":

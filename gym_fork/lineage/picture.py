@@ -248,7 +248,7 @@ def _table_row(node: BranchNode) -> str:
         f"<td>{html.escape(node.parent_branch_id or '-')}</td>",
         f'<td class="num">{node.num_envs}</td>',
         f"<td>{html.escape(origin)}</td>",
-        f"<td>{html.escape(short_list(node.seeds, 8) if node.seeds_text() else '')}</td>",
+        f"<td>{html.escape(short_list(node.seeds or [], 8) if node.seeds_text() else '')}</td>",
         f"<td>{local_time(node.created, ms=True)}</td>",
         f"<td>{html.escape(node.timing_text())}</td>",
         f'<td class="num">{lifetime}</td>',

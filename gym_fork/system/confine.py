@@ -27,6 +27,7 @@ import ctypes
 import errno
 import os
 import re
+from typing import Any
 
 from gym_fork.system import linux
 
@@ -127,7 +128,7 @@ _prctl.restype = ctypes.c_int
 _seccomp_installed = 0
 _dropped = False
 _in_own_user_namespace = False  # a clone that made its own user namespace
-_prepared: tuple[object, int] | None = None  # built once, in the warm parent
+_prepared: tuple[Any, int] | None = None  # built once, in the warm parent
 # The filter as a BPF program (kept alive: a sandbox loads it with one prctl) and the
 # capability plan (capabilities of the bounding set, whether any set is not empty), both
 # made in the warm parent: a fork has the warm parent's capabilities.
@@ -245,7 +246,7 @@ def forbid_tracing() -> None:
     linux.prctl(_PR_SET_DUMPABLE, 0)
 
 
-def prepare_seccomp() -> tuple[object, int]:
+def prepare_seccomp() -> tuple[Any, int]:
     """Build the filter (not loaded) and the capability plan: call once in the warm
     parent (or the zygote it is forked from), so that each sandbox forked from it only
     loads the compiled program (one prctl) and drops what the plan lists. Returns

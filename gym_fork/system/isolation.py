@@ -399,7 +399,7 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
         if exc.errno in (errno.EUSERS, errno.ENOSPC):
             reason = "user namespaces nest at most 32 deep, or user.max_user_namespaces is reached"
         else:
-            reason = exc.strerror
+            reason = exc.strerror or str(exc)
         achieved.missing["sandbox_mount"] = achieved.missing["ipc"] = (
             f"{why}: no user namespace of its own ({reason})"
         )

@@ -127,7 +127,7 @@ class Region:
             # A view still exported (a numpy array) keeps the mapping until the GC frees it.
             with contextlib.suppress(BufferError):
                 self.map.close()
-            self.map = None
+            self.map = None  # type: ignore[assignment]  # closed: nothing maps through it
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

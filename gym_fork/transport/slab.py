@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from gymnasium import spaces
@@ -32,9 +32,14 @@ def _align(n: int) -> int:
 
 
 class _ArrayLeaf:
-    """A Box/Discrete/MultiDiscrete/MultiBinary leaf: one ``(n, *shape)`` array."""
+    """A Box/Discrete/MultiDiscrete/MultiBinary leaf: one ``(n, *shape)`` array.
+
+    ``array`` is None until :meth:`bind` (a batch layout is never bound) and after the
+    slab is closed; a leaf is read and written only while bound."""
 
     def __init__(self, space: spaces.Space, n: int) -> None:
+        if space.shape is None:
+            raise TypeError(f"{space} has no fixed shape: it has no array layout")
         self.space = space
         self.shape = tuple(space.shape)
         self.dtype = np.dtype(space.dtype)
@@ -50,9 +55,11 @@ class _ArrayLeaf:
         value = np.asarray(value)
         if value.shape != self.shape:
             raise ValueError(f"expected shape {self.shape} for {self.space}, got {value.shape}")
+        assert self.array is not None  # bound
         self.array[index] = value
 
     def read(self, index: int) -> Any:
+        assert self.array is not None  # bound
         row = self.array[index]
         return row.copy() if self.shape else row
 
@@ -66,15 +73,24 @@ class _ArrayLeaf:
 
     def gather(self, parts: list[_ArrayLeaf], out: np.ndarray | None) -> np.ndarray:
         """The rows of ``parts`` (same-space leaves) as one batch (into ``out``)."""
-        if len(parts) == 1 and out is None:
-            return parts[0].array.copy()
-        return np.concatenate([p.array for p in parts], out=out)
+        arrays = _bound(parts)
+        if len(arrays) == 1 and out is None:
+            return arrays[0].copy()
+        return np.concatenate(arrays, out=out)
 
     def scatter(self, parts: list[_ArrayLeaf], values: Any, bounds: list[int]) -> None:
         """Write batch ``values`` over ``parts``: rows bounds[k]:bounds[k+1] to part k."""
         values = np.asarray(values)
-        for part, start, end in zip(parts, bounds, bounds[1:], strict=False):
-            np.copyto(part.array, values[start:end], casting="unsafe")
+        for array, start, end in zip(_bound(parts), bounds, bounds[1:], strict=False):
+            np.copyto(array, values[start:end], casting="unsafe")
+
+
+def _bound(parts: Sequence[_ArrayLeaf]) -> list[np.ndarray]:
+    """The arrays of bound leaves (the slabs' own, never a batch layout)."""
+    arrays = [p.array for p in parts if p.array is not None]
+    if len(arrays) != len(parts):
+        raise ValueError("a slab leaf is not mapped (its slab is closed)")
+    return arrays
 
 
 class _TextLeaf:
@@ -96,12 +112,14 @@ class _TextLeaf:
             raise ValueError(f"expected a str of at most {self.space.max_length} characters")
         pad = len(self.space.character_list)
         codes = [self.space.character_index(c) for c in value]
+        assert self.array is not None  # bound
         self.array[index, : len(codes)] = codes
         self.array[index, len(codes) :] = pad
 
     def read(self, index: int) -> str:
         chars = self.space.character_list
         pad = len(self.space.character_list)
+        assert self.array is not None  # bound
         return "".join(chars[c] for c in self.array[index] if c < pad)
 
     def batch(self) -> tuple[str, ...]:
@@ -246,7 +264,7 @@ def _(space: spaces.Dict) -> bool:
 
 @async_shares.register(spaces.Tuple)
 @async_shares.register(spaces.OneOf)
-def _(space: spaces.Space) -> bool:
+def _(space: spaces.Tuple | spaces.OneOf) -> bool:
     return all(async_shares(s) for s in space.spaces)
 
 
@@ -339,9 +357,9 @@ class Slab:
         offset = 0
         for part in parts:
             offset = part.bind(region.map, offset)
-        self.rewards = self.rewards_leaf.array
-        self.terminations = self.terminations_leaf.array
-        self.truncations = self.truncations_leaf.array
+        self.rewards, self.terminations, self.truncations = _bound(
+            [self.rewards_leaf, self.terminations_leaf, self.truncations_leaf]
+        )
 
     def copy_row(self, row: int, source: Slab, source_row: int) -> None:
         """Row ``row`` becomes ``source``'s row ``source_row``: last observation, reward
@@ -350,13 +368,15 @@ class Slab:
         self.terminations[row] = source.terminations[source_row]
         self.truncations[row] = source.truncations[source_row]
         if self.observations is not None:
+            assert source.observations is not None  # the same spaces: the same layout
             self.observations.write(row, source.observations.read(source_row))
 
     def close(self) -> None:
         """Drop every view and unmap the region."""
         for part in (self.observations, self.actions):
             _unbind(part)
-        self.rewards = self.terminations = self.truncations = None
+        # The views go so that the mapping can close: a closed slab is never read again.
+        self.rewards = self.terminations = self.truncations = None  # type: ignore[assignment]
         for leaf in (self.rewards_leaf, self.terminations_leaf, self.truncations_leaf):
             leaf.array = None
         self.region.close()
@@ -424,9 +444,10 @@ class SlabSet:
         self._truncations = [s.truncations for s in self.slabs]
         self._obs_parts = [s.observations for s in self.slabs]
         self._act_parts = [s.actions for s in self.slabs]
-        self._obs_arrays = None
+        self._obs_arrays: list[np.ndarray] | None = None
         if type(self.observation_layout) is _ArrayLeaf:
-            self._obs_arrays = [p.array for p in self._obs_parts]
+            # The layout is a plain leaf: so is every slab's (the same spaces).
+            self._obs_arrays = _bound(cast("list[_ArrayLeaf]", self._obs_parts))
         self._act_rows = None
         if type(self.action_layout) is _ArrayLeaf:
             bounds = self.bounds
@@ -489,6 +510,8 @@ class SlabSet:
             if len(arrays) == 1 and out is None:
                 return arrays[0].copy()
             return np.concatenate(arrays, out=out)
+        if self.observation_layout is None:
+            raise ValueError("these observations travel in ring records, not in the slabs")
         return self.observation_layout.gather(self._obs_parts, out)
 
     @staticmethod

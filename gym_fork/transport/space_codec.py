@@ -30,7 +30,7 @@ from gymnasium.envs.registration import EnvSpec
 PICKLED = "pickled"
 REFERENCE = "reference"
 
-_DECODERS: dict[str, Callable[[dict[str, Any]], Space]] = {}
+_DECODERS: dict[str, Callable[[dict[str, Any], bool], Space]] = {}
 
 
 class SpaceRefused(ValueError):

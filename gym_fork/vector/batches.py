@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from gymnasium.vector import VectorEnv
-from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, concatenate, iterate
 
 from gym_fork.errors import BadActionError
 from gym_fork.transport.codec import pack
@@ -30,21 +30,11 @@ from gym_fork.worker import protocol as P
 
 from .faults import LIVENESS_SLICE, Deadline, errors_exception
 from .frontend import is_int
+from .spaces import empty_batch
 
 SPIN_S = 100e-6  # rounds of polls that find nothing yield the core for this long, then
 FIRST_SLEEP = 20e-6  # sleep this, then twice as long each round,
 LAST_SLEEP = 200e-6  # up to this: a result waits at most ~0.25 ms to be noticed
-
-
-class Sending:
-    """The async state while sub-envs run a ``send``/``async_reset`` whose results are not
-    all taken: Gymnasium's calls are refused until ``recv`` took them (their error names
-    ``recv``)."""
-
-    value = "recv"
-
-
-SENDING = Sending()
 
 
 class Batches:
@@ -207,7 +197,7 @@ def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.nd
     ids = [t[0] for t in taken]
     batches.last_ids = ids
     infos["env_id"] = np.array(ids, dtype=np.int32)
-    obs = concatenate(single, observations, create_empty_array(single, n=count, fn=np.zeros))
+    obs = concatenate(single, observations, empty_batch(single, count))
     return obs, rewards, terminations, truncations, infos
 
 

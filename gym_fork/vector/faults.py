@@ -226,7 +226,7 @@ def worker_exception(
     a note. Only a trusted sandbox's pickled exception is unpickled."""
     if not isinstance(record, dict):
         return TransportError(f"malformed error record {record!r:.200}", reason="shape")
-    index = record.get("index")
+    index = _record_index(record)  # the sandbox's word: an int, or -1
     type_name = _text(record.get("type"), 200)
     message = _text(record.get("message"))
     trace = _text(record.get("traceback"))
@@ -251,8 +251,15 @@ def worker_exception(
     hint = sandbox_default_hint(exc, message)
     if hint:
         exc.add_note(hint)
-    exc.gym_fork_index = index
+    _mark(exc, gym_fork_index=index)
     return exc
+
+
+def _mark(exc: BaseException, **attributes: Any) -> None:
+    """Set gym_fork's own attributes (``gym_fork_index``, ``gym_fork_errors``, ...) on
+    an exception of any type (the user's own, as raised in the sandbox)."""
+    for name, value in attributes.items():
+        setattr(exc, name, value)
 
 
 # errno values (as the message of an OSError shows them) that a default of the sandbox
@@ -277,7 +284,7 @@ def sandbox_default_hint(exc: BaseException, message: str) -> str | None:
     if code is None:
         found = _ERRNO_IN_MESSAGE.search(message)
         code = int(found.group(1)) if found else None
-    return _DEFAULT_HINTS.get(code)
+    return _DEFAULT_HINTS.get(code) if code is not None else None
 
 
 def _record_index(record: Any) -> int:
@@ -361,8 +368,7 @@ def errors_exception(
         logger.error(line + ")")
     if len(ordered) > 1:
         exc.add_note(_call_note(groups, raised, tracebacks, building))
-    exc.gym_fork_errors = errors
-    exc.gym_fork_tracebacks = tracebacks
+    _mark(exc, gym_fork_errors=errors, gym_fork_tracebacks=tracebacks)
     return exc
 
 
@@ -407,7 +413,6 @@ def crashed(worker: WorkerHandle, exit_code: int | None, when: str, branch: str)
         pid=worker.pid,
         exitcode=exit_code,
     )
-    error.stderr_tail = "\n".join(tail)
     return error
 
 

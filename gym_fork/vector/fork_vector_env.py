@@ -33,11 +33,11 @@ from gym_fork.worker import protocol as P
 
 from . import batches as batch_mode
 from . import provenance
-from .batches import SENDING, Batches
+from .batches import Batches
 from .branching import clone_sandboxes
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
-from .frontend import AsyncFrontEnd, AsyncState
+from .frontend import SENDING, AsyncFrontEnd, AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
 from .spaces import ActionWriter, VectorSpaces, check_attached
 
@@ -104,7 +104,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
     """
 
     config: VectorConfig
-    sandboxes: Sandboxes | None
+    sandboxes: Sandboxes
     spaces: VectorSpaces
     observations: Any
     _obs_in_slab: bool
@@ -257,7 +257,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         self.action_space = spaces.action_space
         self._obs_in_slab = obs_in_slab
         self.observations = observations
-        self._actions = ActionWriter(spaces, sandboxes.slabs, self.config.check_actions)
+        self._actions = ActionWriter(spaces, sandboxes.slab_set(), self.config.check_actions)
         self._batches = Batches(self.config.batch_size) if self.config.batch_size else None
         self._lineage = None
         try:
@@ -303,13 +303,15 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         )
 
     # -- reports --------------------------------------------------------------------
+    # AsyncVectorEnv's contract, kept: one seed and one generator per sub-env, read-only
+    # (VectorEnv declares a single one, its generator settable).
     @property
-    def np_random_seed(self) -> tuple[int, ...]:
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """Returns a tuple of np_random seeds for all the wrapped envs."""
         return self.get_attr("np_random_seed")
 
-    @property
-    def np_random(self) -> tuple[np.random.Generator, ...]:
+    @property  # type: ignore[misc]
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Returns the tuple of the numpy random number generators for the wrapped envs."""
         return self.get_attr("np_random")
 
@@ -321,6 +323,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
     @property
     def lineage(self) -> Lineage:
         """Provenance of this vector env: branch id, parent, baseline id, events."""
+        assert self._lineage is not None  # recorded when the env opened
         return self._lineage
 
     @property
@@ -372,7 +375,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             self._not_waiting(AsyncState.WAITING_RESET)
         replies = self._collect(timeout, P.RESET, "reset_wait")
         infos: dict[str, Any] = {}
-        observations = [] if not self._obs_in_slab else None
+        observations: list[Any] | None = [] if not self._obs_in_slab else None
         for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
             for k, index in enumerate(worker.indices):
                 infos = self._add_info(infos, info_list[k], index)
@@ -395,14 +398,16 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         if self.closed or self._state is not AsyncState.DEFAULT:
             self._begin("step_async")
         pool = self.sandboxes.pool
+        writer = self._actions
+        assert writer is not None  # set while open
         # A dead worker is noticed by the wait (every faults.LIVENESS_SLICE), not here: a
         # liveness syscall per worker per step would cost more than the step itself.
         # A worker still serving an abandoned step would read the slab's actions late:
         # until it has caught up, actions travel inside the requests (pool.py).
-        if not pool.behind() and self._actions.write_slab(actions):
+        if not pool.behind() and writer.write_slab(actions):
             pool.send_same(P.STEP, None)
         else:
-            per_env = self._actions.per_sub_env(actions)
+            per_env = writer.per_sub_env(actions)
             pool.send_each(P.STEP, [[per_env[i] for i in w.indices] for w in pool.workers])
         self._state = AsyncState.WAITING_STEP
 
@@ -432,7 +437,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             self.observations = concatenate(
                 self.single_observation_space, observations, self.observations
             )
-        rewards, terminations, truncations = self.sandboxes.slabs.step_columns()
+        rewards, terminations, truncations = self.sandboxes.slab_set().step_columns()
         observations = self._observations_out()
         return observations, rewards, terminations, truncations, infos
 
@@ -557,7 +562,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             self._obs_in_slab,
             observations,
             lambda env: provenance.add_branch(
-                self._lineage,
+                self.lineage,
                 plan.branch_id,
                 indices=plan.indices,
                 copies=plan.copies,
@@ -580,7 +585,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             terminate: Kill the sandboxes without closing the sub-envs.
         """
         timeout = 0 if terminate else timeout
-        if self._state is SENDING:  # batch mode: sub-envs still running, as usual at a close
+        if self._state is SENDING and self._batches is not None:  # batch mode: still running
             try:
                 batch_mode.drain(self, self._batches, timeout)
             except Exception:  # a timeout or a crash: the sandboxes are killed, not closed
@@ -613,7 +618,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         try:
             return pool.collect(op, own if own_deadline else timeout)
         except WaitTimeout:
-            if own_deadline:
+            if own_deadline and own is not None:
                 raise pool.kill_unanswered(op, what, own) from None
             raise multiprocessing.TimeoutError(
                 f"The call to `{what}` has timed out after {timeout} second(s)." + pool.tree_note()
@@ -625,7 +630,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         if self._obs_in_slab:
             # Gathered from the workers' slabs: a new batch (copy=True), or into the
             # vector env's own buffer (copy=False, as AsyncVectorEnv's shared view).
-            slabs = self.sandboxes.slabs
+            slabs = self.sandboxes.slab_set()
             if self.config.copy:
                 self.observations = slabs.observations()
                 return self.observations

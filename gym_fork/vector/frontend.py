@@ -12,7 +12,7 @@ import multiprocessing
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 from gymnasium import logger
@@ -21,7 +21,11 @@ from gymnasium.vector.async_vector_env import AsyncState
 
 from .config import check_sandbox_count
 
+if TYPE_CHECKING:
+    from gym_fork.lineage import Lineage
+
 __all__ = [
+    "SENDING",
     "AsyncFrontEnd",
     "AsyncState",
     "ForkPlan",
@@ -32,13 +36,24 @@ __all__ = [
 ]
 
 
-def is_int(value: Any) -> bool:
-    """An integer (numpy's included) that is not a bool."""
+def is_int(value: Any) -> TypeGuard[int]:
+    """An integer (numpy's included: an int to the type checker) that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
-def _is_sequence(value: Any) -> bool:
+def _is_sequence(value: Any) -> TypeGuard[Sequence[Any] | np.ndarray]:
     return isinstance(value, Sequence | np.ndarray) and not isinstance(value, str | bytes)
+
+
+class Sending:
+    """The async state while sub-envs run a ``send``/``async_reset`` whose results are not
+    all taken: Gymnasium's calls are refused until ``recv`` took them (their error names
+    ``recv``)."""
+
+    value = "recv"
+
+
+SENDING = Sending()
 
 
 # -- reset and set_attr ---------------------------------------------------------------
@@ -48,14 +63,14 @@ def seeds_per_env(seed: int | list[int | None] | None, num_envs: int) -> list[in
         return [None] * num_envs
     if is_int(seed):
         return [int(seed) + i for i in range(num_envs)]
-    if not _is_sequence(seed):
-        raise TypeError(f"seed must be None, an int or one seed per sub-env, got {seed!r}")
-    if len(seed) != num_envs:
-        raise ValueError(
-            "If seeds are passed as a list the length must match "
-            f"num_envs={num_envs} but got length={len(seed)}."
-        )
-    return list(seed)
+    if _is_sequence(seed):
+        if len(seed) != num_envs:
+            raise ValueError(
+                "If seeds are passed as a list the length must match "
+                f"num_envs={num_envs} but got length={len(seed)}."
+            )
+        return list(seed)
+    raise TypeError(f"seed must be None, an int or one seed per sub-env, got {seed!r}")
 
 
 def values_per_env(values: Any, num_envs: int) -> list[Any] | tuple[Any, ...]:
@@ -158,11 +173,13 @@ def plan_fork(
 # -- the state machine ----------------------------------------------------------------
 class AsyncFrontEnd:
     """Gymnasium's async state machine and argument checks, for a vector env that sets
-    ``num_envs``, ``closed``, ``_state`` (an :class:`AsyncState`) and ``_lineage``."""
+    ``num_envs``, ``closed``, ``_state`` (an :class:`AsyncState`, or :data:`SENDING`)
+    and ``_lineage``."""
 
     num_envs: int
     closed: bool
-    _state: AsyncState
+    _state: AsyncState | Sending
+    _lineage: Lineage | None  # recorded when the env opened
 
     def _assert_is_running(self) -> None:
         if self.closed:
@@ -213,6 +230,7 @@ class AsyncFrontEnd:
         """fork's checks: open, idle, arguments, and a branch id new in the tree."""
         self._begin("fork")
         plan = plan_fork(branch_id, indices, copies, reseed, self.num_envs, held)
+        assert self._lineage is not None  # an open env has its lineage
         self._lineage.tree.check_free(plan.branch_id)
         return plan
 

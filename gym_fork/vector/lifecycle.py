@@ -87,6 +87,18 @@ class Sandboxes:
         self._replacement_attach: bytes | None = None
         _OPEN.add(self)
 
+    def _live_host(self) -> Host:
+        """The warm parent's host (None only once torn down)."""
+        if self.host is None:
+            raise RuntimeError("these sandboxes are torn down: their host is released")
+        return self.host
+
+    def slab_set(self) -> SlabSet:
+        """The workers' slabs (open from :meth:`open_slabs` until torn down)."""
+        if self.slabs is None:
+            raise RuntimeError("the slabs are not open")
+        return self.slabs
+
     # -- start ----------------------------------------------------------------------
     @classmethod
     def start(cls, config: VectorConfig) -> tuple[Sandboxes, list[dict[str, Any]]]:
@@ -101,7 +113,7 @@ class Sandboxes:
             cloned = time.perf_counter()
             groups = config.worker_groups()
             self._slab_fds = [new_slab_memfd() for _ in groups]
-            self.pool.workers = self.host.spawn(
+            self.pool.workers = self._live_host().spawn(
                 [self.spec(group) for group in groups], self._slab_fds, config.ring_bytes
             )
             hellos = self.receive_hellos(self.pool.workers)
@@ -131,6 +143,7 @@ class Sandboxes:
             try:
                 _op, _seq, info, errors = self.pool.receive(worker, deadline, P.HELLO)
             except WaitTimeout:
+                assert timeout is not None  # only a deadline passes
                 raise self.pool.kill_unanswered(P.HELLO, "building the sub-envs", timeout) from None
             if errors:
                 raise errors_exception(errors, building=True, trusted=self.config.trusted)
@@ -150,21 +163,22 @@ class Sandboxes:
             self._slab_fds = [new_slab_memfd() for _ in counts]
         fds, self._slab_fds = self._slab_fds, []
         try:
-            self.slabs = SlabSet(
+            slabs = SlabSet(
                 spaces.single_observation_space,
                 spaces.single_action_space,
                 counts,
                 fds,
                 use_observations=obs_in_slab,
-                min_size=self.host.slab_min_bytes,
+                min_size=self._live_host().slab_min_bytes,
             )
         except BaseException:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             raise
-        self.host.check_slab(self.slabs.nbytes)
-        return self.slabs
+        self.slabs = slabs
+        self._live_host().check_slab(slabs.nbytes)
+        return slabs
 
     def attach_all(self, spaces: VectorSpaces, obs_in_slab: bool) -> list[list[bool]]:
         """Every worker maps the slab; per sub-env: [same obs space, same act space]."""
@@ -183,7 +197,7 @@ class Sandboxes:
     def _check_warm_parent_gpu(self) -> None:
         """Before cloning the warm parent: does it hold a CUDA context? (Checked once per
         warm parent: it only forks after it is ready, so its state does not change.)"""
-        pid = self.host.gpu_pid
+        pid = self._live_host().gpu_pid
         if pid is None:
             return
         evidence = cuda_evidence(pid, gpu_probe())
@@ -200,7 +214,7 @@ class Sandboxes:
             )
         # "clean": a warm parent that only imports; every sandbox builds (and warms) its
         # own env from the env_fn, i.e. a cold start that keeps the reset promise.
-        tainted = self.host
+        tainted = self._live_host()
         self.host = make_host(self.config.host_config(prepare_in_sandbox=True))
         self.pool.host = self.host
         tainted.release()
@@ -225,13 +239,16 @@ class Sandboxes:
         old = [workers[k] for k in positions]
         for worker in old:
             worker.kill()
+        slabs, attach_arg = self.slabs, self.attach_arg
+        if slabs is None or attach_arg is None:
+            raise RuntimeError("replace: the workers have not attached their slabs")
         old_host = self._ensure_warm_parent()
         if self._replacement_attach is None:
             # Pickled once: the warm parent unpickles it once too, then shares it.
-            arg = dict(self.attach_arg, observation_mode="custom")
+            arg = dict(attach_arg, observation_mode="custom")
             self._replacement_attach = cloudpickle.dumps(arg)
-        fds = [self.slabs.replace(k, new_slab_memfd()).region.fd for k in positions]
-        fresh = self.host.spawn(
+        fds = [slabs.replace(k, new_slab_memfd()).region.fd for k in positions]
+        fresh = self._live_host().spawn(
             [self.spec(w.indices) for w in old],
             fds,
             self.config.ring_bytes,
@@ -261,7 +278,7 @@ class Sandboxes:
         """Health check: a dead warm parent is replaced by a cold launch of the env_fns
         (the prepared state is rebuilt from scratch), recorded in the lineage. Returns
         the dead host, for the caller to release once its sandboxes are released."""
-        if self.host.alive():
+        if self._live_host().alive():
             return None
         old = self.host
         self.host = make_host(self.config.host_config())
@@ -283,10 +300,14 @@ class Sandboxes:
             return {}
         workers = self.pool.workers
         report = workers[0].info.get("isolation") if workers else None
-        achieved = self.host.isolation(
-            report if isinstance(report, dict) else None,
-            pid=workers[0].pid if workers else None,
-        ).as_dict()
+        achieved = (
+            self._live_host()
+            .isolation(
+                report if isinstance(report, dict) else None,
+                pid=workers[0].pid if workers else None,
+            )
+            .as_dict()
+        )
         achieved["sub_envs_per_sandbox"] = self.config.envs_per_worker
         return achieved
 

@@ -9,12 +9,26 @@ from typing import Any
 
 import numpy as np
 from gymnasium import Space, spaces
-from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
+from gymnasium.vector.utils import (
+    batch_differing_spaces,
+    batch_space,
+    create_empty_array,
+    iterate,
+)
 
 from gym_fork.errors import BadActionError, SandboxStartError
 from gym_fork.transport.slab import SlabSet, leaf_values
 from gym_fork.transport.slab import leaves as slab_leaves
 from gym_fork.transport.space_codec import SpaceRefused, space_from_data
+
+
+def empty_batch(space: Space, n: int) -> tuple[Any, ...] | dict[str, Any] | np.ndarray:
+    """``create_empty_array(space, n, np.zeros)``: the buffer ``concatenate`` fills. Its
+    annotation allows None, which it never returns (refused here if it ever did)."""
+    batch = create_empty_array(space, n=n, fn=np.zeros)
+    if batch is None:
+        raise TypeError(f"{space} has no batch buffer")
+    return batch
 
 
 @dataclass

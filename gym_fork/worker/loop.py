@@ -15,7 +15,7 @@ import random
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, SupportsFloat
 
 import cloudpickle
 import gymnasium as gym
@@ -158,20 +158,29 @@ class Worker:
         return checks
 
     # -- requests -------------------------------------------------------------------
+    def _attached(self) -> Slab:
+        """The slab mapped at ATTACH (the controller attaches before any other request)."""
+        if self.slab is None:
+            raise RuntimeError("a request that needs the slab came before ATTACH")
+        return self.slab
+
     def _store_obs(self, slot: SubEnvSlot, obs: Any, out: list[Any] | None, k: int) -> None:
-        if self.slab.observations is not None:
+        leaf = self._attached().observations
+        if leaf is not None:
             try:
-                self.slab.observations.write(k, obs)
+                leaf.write(k, obs)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 self._bad_obs(slot, exc)
         else:
+            assert out is not None  # no slab leaf: the caller's list carries them
             out[k] = obs
         slot.last_obs = obs
 
     def reset(self, arg: list[Any]) -> tuple[list[Any], list[Any]]:
         """Reset the masked sub-envs with their seeds and options."""
         n = len(self.slots)
-        obs_out = None if self.slab.observations is not None else [None] * n
+        slab = self._attached()
+        obs_out = None if slab.observations is not None else [None] * n
         infos: list[Any] = [None] * n
         errors = []
         for k, (slot, (seed, options, do_reset)) in enumerate(zip(self.slots, arg, strict=True)):
@@ -184,8 +193,8 @@ class Worker:
                 obs, info = slot.env.reset(seed=seed, options=options)
                 slot.autoreset = False
                 self._store_obs(slot, obs, obs_out, k)
-                self.slab.terminations[k] = False
-                self.slab.truncations[k] = False
+                slab.terminations[k] = False
+                slab.truncations[k] = False
                 infos[k] = info
             except Exception as exc:
                 errors.append(error_record(slot.index, exc))
@@ -193,15 +202,15 @@ class Worker:
 
     def step(self, arg: list[Any] | None) -> tuple[list[Any], list[Any] | None]:
         """Step every sub-env: actions from the slab (``arg`` None) or from the request."""
-        slab = self.slab
+        slab = self._attached()
         n = len(self.slots)
         obs_leaf = slab.observations
         obs_out = None if obs_leaf is not None else [None] * n
         # Hot path (docs/benchmarks-notebook.md, "where a small step's time goes"): the common
         # leaves are plain arrays, read and written here without a call per leaf.
-        plain_obs = type(obs_leaf) is _ArrayLeaf
-        if plain_obs:
-            obs_array, obs_shape = obs_leaf.array, obs_leaf.shape
+        obs_array: np.ndarray | None = None  # set for a plain array leaf only
+        if type(obs_leaf) is _ArrayLeaf:
+            obs_array, obs_shape, obs_space = obs_leaf.array, obs_leaf.shape, obs_leaf.space
         act_leaf = slab.actions
         scalar_actions = arg is None and type(act_leaf) is _ArrayLeaf and not act_leaf.shape
         if scalar_actions:
@@ -209,6 +218,7 @@ class Worker:
         rewards, terminations, truncations = slab.rewards, slab.terminations, slab.truncations
         infos: list[Any] | None = None
         errors = None
+        reward: SupportsFloat
         mode = self.autoreset_mode
         next_step = mode is AutoresetMode.NEXT_STEP
         for k, slot in enumerate(self.slots):
@@ -233,13 +243,12 @@ class Worker:
                         obs = reset_obs
                 else:
                     obs, reward, terminated, truncated, info = env.step(action)
-                if plain_obs:
+                if obs_array is not None:
                     try:
                         value = np.asarray(obs)
                         if value.shape != obs_shape:
                             raise ValueError(
-                                f"expected shape {obs_shape} for {obs_leaf.space}, "
-                                f"got {value.shape}"
+                                f"expected shape {obs_shape} for {obs_space}, got {value.shape}"
                             )
                         obs_array[k] = value
                     except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -261,9 +270,11 @@ class Worker:
         return [obs_out, infos], errors
 
     def _bad_obs(self, slot: SubEnvSlot, exc: Exception) -> None:
+        leaf = self._attached().observations
+        space = leaf.space if leaf is not None else None
         raise BadObservationError(
             f"sub-env {slot.index} returned an observation that does not fit the "
-            f"observation space {self.slab.observations.space}: {exc}"
+            f"observation space {space}: {exc}"
         ) from exc
 
     def call(self, arg: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -321,6 +332,8 @@ class Worker:
                 channel.send([P.CLOSE, seq, self.on_close(), None])
                 return
             handler = handlers.get(op)
+            result: Any
+            errors: list[dict[str, Any]] | None
             if handler is None:
                 result = None
                 errors = [error_record(self.indices[0], RuntimeError(f"unknown operation {op!r}"))]

@@ -38,9 +38,12 @@ def probe_kvm(image: GuestImage) -> dict:
     """Boot the guest kernel under KVM to a poweroff; the verdict and why."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return {"kvm": False, "why": "/dev/kvm is missing or not accessible"}
+    binary = qemu_binary()
+    if binary is None:
+        return {"kvm": False, "why": "qemu-system-x86_64 is not installed"}
     started = time.perf_counter()
     args = [
-        qemu_binary(),
+        binary,
         "-accel",
         "kvm",
         "-cpu",

@@ -126,6 +126,8 @@ class GuestWorker(Worker):
         if arg.get("seed") is not None:
             reseed_env(slot.env, arg["seed"])
             reseed_kernel(arg["seed"])
+        if self.attach_arg is None:
+            raise RuntimeError("fork: the source worker had not attached its slab")
         self.attach(dict(self.attach_arg, num_envs=arg["num_envs"]))
         self.channel.send([P.HELLO, 0, self.identity(), None])
         return NO_REPLY, None

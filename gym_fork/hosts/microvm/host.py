@@ -275,7 +275,7 @@ class MicroVMHost(SharedByBranches):
                 "host='microvm' does not apply SandboxLimits (rlimits and cgroups are "
                 "process-host tools): a VM is bounded by its RAM (vm_memory_mb) and one vCPU"
             )
-        self.output = OutputCollector(echo=echo_output)
+        self.output: OutputCollector | None = OutputCollector(echo=echo_output)
         self._lock = threading.Lock()
         self._users = 1
         self._machines: dict[int, Machine] = {}
@@ -331,6 +331,7 @@ class MicroVMHost(SharedByBranches):
     # -- the warm parent --------------------------------------------------------------
     def _boot_parent(self, host_config: HostConfig) -> None:
         message = init_message(host_config)
+        output = self._open_output()
         start_timeout = host_config.start_timeout
         started = time.perf_counter()
         boot, self.boot_seconds = boot_template(self.config, start_timeout or BOOT_TIMEOUT_S)
@@ -345,7 +346,7 @@ class MicroVMHost(SharedByBranches):
         try:
             machine = _start_slabless(
                 self.config,
-                self.output,
+                output,
                 "parent",
                 ram_fd,
                 channel,
@@ -370,7 +371,7 @@ class MicroVMHost(SharedByBranches):
         finally:
             machine.kill()
             channel.close()
-            self.output.forget("parent")
+            output.forget("parent")
 
     def _await_parent(self, channel: Channel, machine: Machine, timeout: float) -> dict:
         from gym_fork.errors import RingTimeout
@@ -384,7 +385,7 @@ class MicroVMHost(SharedByBranches):
                 if not machine.alive():
                     raise SandboxStartError(
                         "the warm parent VM exited before it was ready; its output:\n"
-                        + self.output.tail("parent", "stderr")[-4000:]
+                        + self._open_output().tail("parent", "stderr")[-4000:]
                         + machine.log()
                     ) from None
                 if time.monotonic() > deadline:
@@ -401,6 +402,12 @@ class MicroVMHost(SharedByBranches):
                 raise
         return reply
 
+    def _open_output(self) -> OutputCollector:
+        """The collector of this host's VM output; refused once the host is closed."""
+        if self.output is None:
+            raise SandboxStartError("host='microvm' is closed: it starts no more VMs")
+        return self.output
+
     # -- clones ---------------------------------------------------------------------
     def _next_generation(self) -> int:
         with self._lock:
@@ -411,18 +418,20 @@ class MicroVMHost(SharedByBranches):
         self,
         point: BranchPoint,
         slab_fds: Sequence[int],
-        orders: list[tuple[WorkerSpec, dict]],
+        orders: list[tuple[WorkerSpec, Any]],
     ) -> list[WorkerHandle]:
-        """Start one QEMU per order on ``point``; each finds its order in its channel."""
+        """Start one QEMU per order on ``point``; each finds its order (a ``become``
+        message or a REBIND request) in its channel."""
         for pid in [pid for pid, m in self._machines.items() if not m.alive()]:
             del self._machines[pid]  # released ones (kill() reaped them)
+        output = self._open_output()
         started: list[tuple[WorkerHandle, Machine]] = []
         try:
             for (spec, order), slab_fd in zip(orders, slab_fds, strict=True):
                 channel = Channel.create(spec.name, self.config.ring_capacity, poll=True)
                 channel.set_positions(point.positions)
                 channel.send(order)
-                (out_r, out_w), (err_r, err_w) = self.output.new_pipes()
+                (out_r, out_w), (err_r, err_w) = output.new_pipes()
                 try:
                     machine = Machine(
                         self.config,
@@ -444,7 +453,7 @@ class MicroVMHost(SharedByBranches):
                 finally:
                     os.close(out_w)
                     os.close(err_w)
-                self.output.watch(str(machine.pid), out_r, err_r)
+                output.watch(str(machine.pid), out_r, err_r)
                 handle = WorkerHandle(
                     spec.name,
                     list(spec.indices),
@@ -452,7 +461,7 @@ class MicroVMHost(SharedByBranches):
                     machine.pid,
                     ProcessWatch(machine.pid),
                     list(spec.origins),
-                    output=self.output,
+                    output=output,
                     host_data=_VMSandbox(machine),
                 )
                 self._machines[machine.pid] = machine
@@ -476,6 +485,9 @@ class MicroVMHost(SharedByBranches):
     ) -> list[WorkerHandle]:
         """One clone of the frozen warm parent per spec; each builds its sub-envs."""
         self._check_capacity(ring_capacity)
+        point = self.template
+        if point is None:
+            raise SandboxStartError("host='microvm' is closed: it starts no more VMs")
         orders = [
             (
                 spec,
@@ -492,7 +504,7 @@ class MicroVMHost(SharedByBranches):
             for spec in specs
         ]
         try:
-            return self._restore_clones(self.template, slab_fds, orders)
+            return self._restore_clones(point, slab_fds, orders)
         except (MachineError, OSError) as exc:
             raise SandboxStartError(f"spawn {specs[0].name}: {exc}") from exc
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,7 +147,9 @@ class _Manifest:
         elif os.path.exists(current):
             self.entries[current] = ("file", current)
 
-    def add_tree(self, root: str, skip: set[str] = frozenset(), prune: set[str] = frozenset()):
+    def add_tree(
+        self, root: str, skip: AbstractSet[str] = frozenset(), prune: AbstractSet[str] = frozenset()
+    ):
         """Add every file under ``root`` except SKIP_DIRS, ``skip`` names and ``prune`` paths."""
         if not os.path.isdir(root):
             return
@@ -341,7 +344,7 @@ def _stage(manifest: _Manifest, staging: Path, bar: progress.Task | None = None)
     for path in bar.track(sorted(manifest.entries)) if bar else sorted(manifest.entries):
         kind, value = manifest.entries[path]
         dest = staging / path.lstrip("/")
-        if kind == "dir":
+        if kind == "dir" or value is None:  # only a directory has no source
             dest.mkdir(parents=True, exist_ok=True)
         elif kind == "link":
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -459,7 +462,7 @@ def _covering(plan: ImagePlan, tries: int = 2) -> list[ImagePlan]:
     """Cached images (most recently used first) that pack everything ``plan`` does and
     are still current: a process that imports less reuses a bigger image, instead of
     building (and booting) one more."""
-    found = []
+    found: list[ImagePlan] = []
     for path in reversed(image_cache.images_by_use()):
         if len(found) >= tries or path.name == plan.digest:
             continue

@@ -224,7 +224,7 @@ class Machine:
             bell_theirs.close()
         self.pid = self.process.pid
         try:
-            self.qmp = QMP(qmp_ours)
+            self.qmp: QMP | None = QMP(qmp_ours)
         except (QMPError, OSError) as exc:
             qmp_ours.close()
             time.sleep(0.05)
@@ -235,6 +235,8 @@ class Machine:
     # -- migration ------------------------------------------------------------------
     def command(self, name: str, arguments: dict | None = None, fds: tuple[int, ...] = ()):
         """A QMP command; failures carry what QEMU printed."""
+        if self.qmp is None:
+            raise MachineError(f"{self.name}: the VM was killed")
         try:
             return self.qmp.command(name, arguments, fds)
         except (QMPError, OSError) as exc:

@@ -53,7 +53,7 @@ class QMP:
         self, name: str, arguments: dict[str, Any] | None = None, fds: tuple[int, ...] = ()
     ) -> Any:
         """Run one command and return its result; events that arrive meanwhile are kept."""
-        message = {"execute": name}
+        message: dict[str, Any] = {"execute": name}
         if arguments:
             message["arguments"] = arguments
         data = json.dumps(message).encode() + b"\n"

@@ -36,7 +36,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gym_fork.hosts.microvm.paths import cache_root
 
@@ -164,7 +164,7 @@ def store(config: MachineConfig, point: BranchPoint) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = os.pread(point.state_fd, os.fstat(point.state_fd).st_size, 0)
         extents = _extents(point.ram_fd)
-        header = {
+        header: dict[str, Any] = {
             "key": entry_key(config),
             "fields": key_fields(config),
             "ram_size": os.fstat(point.ram_fd).st_size,

@@ -32,7 +32,7 @@ import socket
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from gym_fork.errors import ControlMessageError, SandboxStartError
 from gym_fork.system.linux import wait_readable
@@ -244,6 +244,11 @@ class ClonesForked(Message):
 
 # -- sending and receiving --------------------------------------------------------------
 
+# The types a receiver expects: what it gets is one of them (the checker narrows it).
+_A = TypeVar("_A", bound=Message)
+_B = TypeVar("_B", bound=Message)
+_C = TypeVar("_C", bound=Message)
+
 
 def send(sock: socket.socket, message: Message, fds: tuple[int, ...] | list[int] = ()) -> None:
     """Send ``message`` with ``fds`` (as many as it announces)."""
@@ -263,7 +268,9 @@ def send_with_pidfds(sock: socket.socket, message: Message, pids: list[int]) -> 
         except ProcessLookupError:
             fds.append(-1)
     try:
-        message = dataclasses.replace(message, pidfds=[fd >= 0 for fd in fds])
+        if "pidfds" not in {f.name for f in dataclasses.fields(message)}:
+            raise TypeError(f"{message.OP} has no pidfds field")
+        message = dataclasses.replace(message, **{"pidfds": [fd >= 0 for fd in fds]})
         send(sock, message, [fd for fd in fds if fd >= 0])
     finally:
         for fd in fds:
@@ -271,6 +278,14 @@ def send_with_pidfds(sock: socket.socket, message: Message, pids: list[int]) -> 
                 os.close(fd)
 
 
+@overload
+def receive(sock: socket.socket, a: type[_A], /) -> tuple[_A, list[int]]: ...
+@overload
+def receive(sock: socket.socket, a: type[_A], b: type[_B], /) -> tuple[_A | _B, list[int]]: ...
+@overload
+def receive(
+    sock: socket.socket, a: type[_A], b: type[_B], c: type[_C], /
+) -> tuple[_A | _B | _C, list[int]]: ...
 def receive(sock: socket.socket, *expected: type[Message]) -> tuple[Message, list[int]]:
     """The next message, which must be one of ``expected``, and its fds (the caller's).
     Raises ``EOFError`` (``ControlMessageError`` for a bad message) with fds closed."""
@@ -278,6 +293,14 @@ def receive(sock: socket.socket, *expected: type[Message]) -> tuple[Message, lis
     return decode(raw, fds, *expected), fds
 
 
+@overload
+def receive_reply(
+    sock: socket.socket, timeout: float | None, what: str, a: type[_A], /
+) -> tuple[_A, list[int]]: ...
+@overload
+def receive_reply(
+    sock: socket.socket, timeout: float | None, what: str, a: type[_A], b: type[_B], /
+) -> tuple[_A | _B, list[int]]: ...
 def receive_reply(
     sock: socket.socket, timeout: float | None, what: str, *expected: type[Message]
 ) -> tuple[Message, list[int]]:
@@ -353,7 +376,7 @@ def _check(value: Any, hint: Any, where: str) -> Any:
             if option is type(None) and value is None:
                 return None
         return _check(value, next(a for a in args if a is not type(None)), where)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if origin in (list, dict):
         if not isinstance(value, origin) or len(value) > MAX_ITEMS:

@@ -193,6 +193,8 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             plan.append(_Clone(slot, branch_index, seed, name, tuple(fds[per * k : per * (k + 1)])))
         for clone in plan:  # computed here once: shared by every clone, not redone
             clone.others = _runs_without(fds, clone.fds)
+        if worker.attach_arg is None:
+            raise RuntimeError("fork: this worker has not attached its slab yet")
         branch_arg = dict(worker.attach_arg, num_envs=arg["num_envs"])
         before_forking_clones(worker.scratch, worker.tree_isolation)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
@@ -280,7 +282,7 @@ def _first_wait_asleep(channel: Channel) -> None:
             ring.spin = spin
             del channel.recv  # the class's method again
 
-    channel.recv = first_recv
+    channel.recv = first_recv  # type: ignore[method-assign]  # this instance, for one call
 
 
 def _become_clone(
