@@ -27,7 +27,6 @@ import cloudpickle
 from gym_fork.errors import SandboxStartError, like_builtin
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
-from gym_fork.system.linux import ProcessWatch
 from gym_fork.system.scratch import is_scratch_dir, remove_scratch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 
@@ -83,6 +82,27 @@ class CloneOrder:
     seed: int | None
 
 
+class Watch(Protocol):
+    """How the controller watches a sandbox: a pidfd (process hosts), a thread (inline),
+    a VM's QEMU process."""
+
+    def alive(self) -> bool:
+        """Is it running (a zombie is not)?"""
+        ...
+
+    def kill(self, sig: int = ...) -> None:
+        """Send it a signal (SIGKILL by default)."""
+        ...
+
+    def wait_dead(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for it to be gone; True once it is."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what watches it."""
+        ...
+
+
 @dataclass
 class WorkerHandle:
     """A running worker sandbox as the controller sees it.
@@ -94,7 +114,7 @@ class WorkerHandle:
     indices: list[int]
     channel: Channel
     pid: int
-    watch: ProcessWatch
+    watch: Watch
     origins: list[int] = field(default_factory=list)
     output: OutputCollector | None = None
     awaiting: int = 0  # seq of the reply this worker still owes, 0 if none
