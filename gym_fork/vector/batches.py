@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from gymnasium.error import NoAsyncCallError
 from gymnasium.vector import VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
@@ -29,7 +30,7 @@ from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
 
 from .faults import LIVENESS_SLICE, Deadline, errors_exception
-from .frontend import is_int
+from .frontend import SENDING, AsyncFrontEnd, AsyncState, is_int
 from .spaces import empty_batch
 
 SPIN_S = 100e-6  # rounds of polls that find nothing yield the core for this long, then
@@ -51,7 +52,7 @@ class Batches:
         return bool(self.running or self.done)
 
 
-def send(env: Any, batches: Batches, op: int, args: dict[int, Any]) -> None:
+def send_requests(env: Any, batches: Batches, op: int, args: dict[int, Any]) -> None:
     """Send ``op`` with ``args[i]`` to each sub-env i (already checked free)."""
     pool = env.sandboxes.pool
     for index, arg in args.items():
@@ -210,3 +211,74 @@ def drain(env: Any, batches: Batches, timeout: float | None) -> None:
     finally:
         batches.running.clear()
         batches.done.clear()
+
+
+class BatchMode(AsyncFrontEnd):
+    """``async_reset``/``send``/``recv`` on the front-end's state machine, for a vector
+    env made with ``batch_size=k`` (ForkVectorEnv: its sandboxes, config, ``_batches``)."""
+
+    sandboxes: Any
+    config: Any
+    _batches: Batches | None
+
+    def async_reset(
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Batch mode: reset every sub-env (or ``options["reset_mask"]``'s) without
+        waiting; :meth:`recv` returns them as they finish (reward 0, not done)."""
+        batches = self._batch_mode("async_reset")
+        seeds, options, mask = self._plan_reset(seed, options)
+        self.sandboxes.replace_dead()
+        if self.config.reset_mode == "clone":
+            self.sandboxes.reset_by_clone(mask)
+        args = {i: [[seeds[i], options, True]] for i in range(self.num_envs) if mask[i]}
+        self._state = SENDING
+        send_requests(self, batches, P.RESET, args)
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Batch mode: step sub-envs ``env_ids`` (default: those the last :meth:`recv`
+        returned) with ``actions``, one each, without waiting."""
+        batches = self._batch_mode("send")
+        if self._state is not SENDING:
+            self._begin("send")
+        ids = check_ids(self, batches, env_ids, None)
+        per_env = actions_for(self, actions, len(ids))
+        self._state = SENDING
+        send_requests(self, batches, P.STEP, {i: [a] for i, a in zip(ids, per_env, strict=True)})
+
+    def recv(self, timeout: float | None = None):
+        """Batch mode: (obs, rewards, terminations, truncations, infos) of the first
+        ``batch_size`` sub-envs that finished (fewer if fewer are running), their
+        indices in ``infos["env_id"]``."""
+        batches = self._batch_mode("recv")
+        if self._state is not SENDING or not batches.busy():
+            raise NoAsyncCallError(
+                "Calling `recv` without any prior call to `send` or `async_reset`.", "recv"
+            )
+        try:
+            wait(self, batches, timeout)
+            return take(self, batches)
+        finally:
+            if not batches.busy():
+                self._state = AsyncState.DEFAULT
+
+    def _batch_mode(self, what: str) -> Batches:
+        self._assert_is_running()
+        if self._batches is None:
+            raise ValueError(f"`{what}` needs batch mode: ForkVectorEnv(..., batch_size=k)")
+        return self._batches
+
+    def _drain_batches(self, timeout: float | None) -> bool:
+        """At close, sub-envs still running a send: wait for them and drop their results;
+        True when that failed (a timeout or a crash: kill, not close, the sandboxes)."""
+        if self._state is not SENDING or self._batches is None:
+            return False
+        try:
+            drain(self, self._batches, timeout)
+        except Exception:  # reported by killing: the sandboxes are not closed in order
+            return True
+        finally:
+            self._state = AsyncState.DEFAULT
+        return False

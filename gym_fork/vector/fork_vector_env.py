@@ -18,28 +18,24 @@ from typing import Any
 
 import numpy as np
 from gymnasium import Env, Space
-from gymnasium.error import NoAsyncCallError
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import concatenate, create_empty_array
+from gymnasium.vector.utils import concatenate
 
-from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.lineage import Lineage
 from gym_fork.system.isolation import SandboxLimits
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
-from gym_fork.transport.slab import async_shares, slab_node
-from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 from gym_fork.worker import protocol as P
 
-from . import batches as batch_mode
 from . import provenance
-from .batches import Batches
+from .batches import Batches, BatchMode
 from .branching import clone_sandboxes
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
-from .frontend import SENDING, AsyncFrontEnd, AsyncState
+from .frontend import AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
-from .spaces import ActionWriter, VectorSpaces, check_attached
+from .opening import open_root
+from .spaces import ActionWriter, VectorSpaces
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
@@ -49,7 +45,7 @@ def _option(name: str) -> property:
     return property(attrgetter(f"config.{name}"), doc=f"The ``{name}`` option (read-only).")
 
 
-class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
+class ForkVectorEnv(BatchMode, VectorEnv):
     """Vectorized environment whose sub-envs run in forked, warm sandboxes.
 
     A drop-in :class:`gymnasium.vector.AsyncVectorEnv`: its arguments, attributes and
@@ -195,36 +191,20 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             vm_slab_mb=vm_slab_mb,
             prepare=_prepare,
         )
-        sandboxes, hellos = Sandboxes.start(config)
-        try:
-            first = hellos[0]
-            try:
-                metadata = mapping_from_data(first.get("metadata"), trusted=config.trusted)
-            except SpaceRefused as exc:
-                raise SandboxStartError(f"a sandbox reported malformed metadata: {exc}") from exc
-            spaces = VectorSpaces.from_hellos(
-                config.observation_mode, hellos, trusted=config.trusted
-            )
-            obs_in_slab = _attach(sandboxes, spaces)
-        except BaseException:
-            sandboxes.teardown(terminate=True)
-            raise
-        metadata["autoreset_mode"] = config.autoreset_mode
-        observations = create_empty_array(
-            spaces.single_observation_space, n=config.num_envs, fn=np.zeros
-        )
+        opened = open_root(config)
+        sandboxes = opened.sandboxes
         self._open(
             sandboxes,
-            spaces,
-            metadata,
-            first.get("render_mode"),
-            obs_in_slab,
-            observations,
+            opened.spaces,
+            opened.metadata,
+            opened.render_mode,
+            opened.obs_in_slab,
+            opened.observations,
             lambda env: provenance.start_root_lineage(
                 config,
                 branch_id=branch_id,
                 lineage_log=lineage_log,
-                env_ids=[h.get("spec_id") for h in hellos],
+                env_ids=opened.env_ids,
                 isolation=env.isolation,
                 timings=sandboxes.timings,
                 workers=sandboxes.pool.workers,
@@ -441,56 +421,6 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
         observations = self._observations_out()
         return observations, rewards, terminations, truncations, infos
 
-    # -- batch mode (batch_size=k) ---------------------------------------------------
-    def async_reset(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | None = None,
-    ) -> None:
-        """Batch mode: reset every sub-env (or ``options["reset_mask"]``'s) without
-        waiting; :meth:`recv` returns them as they finish (reward 0, not done)."""
-        batches = self._batch_mode("async_reset")
-        seeds, options, mask = self._plan_reset(seed, options)
-        self.sandboxes.replace_dead()
-        if self.config.reset_mode == "clone":
-            self.sandboxes.reset_by_clone(mask)
-        args = {i: [[seeds[i], options, True]] for i in range(self.num_envs) if mask[i]}
-        self._state = SENDING
-        batch_mode.send(self, batches, P.RESET, args)
-
-    def send(self, actions: Any, env_ids: Any = None) -> None:
-        """Batch mode: step sub-envs ``env_ids`` (default: those the last :meth:`recv`
-        returned) with ``actions``, one each, without waiting."""
-        batches = self._batch_mode("send")
-        if self._state is not SENDING:
-            self._begin("send")
-        ids = batch_mode.check_ids(self, batches, env_ids, None)
-        per_env = batch_mode.actions_for(self, actions, len(ids))
-        self._state = SENDING
-        batch_mode.send(self, batches, P.STEP, {i: [a] for i, a in zip(ids, per_env, strict=True)})
-
-    def recv(self, timeout: float | None = None):
-        """Batch mode: (obs, rewards, terminations, truncations, infos) of the first
-        ``batch_size`` sub-envs that finished (fewer if fewer are running), their
-        indices in ``infos["env_id"]``."""
-        batches = self._batch_mode("recv")
-        if self._state is not SENDING or not batches.busy():
-            raise NoAsyncCallError(
-                "Calling `recv` without any prior call to `send` or `async_reset`.", "recv"
-            )
-        try:
-            batch_mode.wait(self, batches, timeout)
-            return batch_mode.take(self, batches)
-        finally:
-            if not batches.busy():
-                self._state = AsyncState.DEFAULT
-
-    def _batch_mode(self, what: str) -> Batches:
-        self._assert_is_running()
-        if self._batches is None:
-            raise ValueError(f"`{what}` needs batch mode: ForkVectorEnv(..., batch_size=k)")
-        return self._batches
-
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call a method (or read an attribute) of every sub-env; returns a tuple."""
         self.call_async(name, *args, **kwargs)
@@ -585,12 +515,7 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
             terminate: Kill the sandboxes without closing the sub-envs.
         """
         timeout = 0 if terminate else timeout
-        if self._state is SENDING and self._batches is not None:  # batch mode: still running
-            try:
-                batch_mode.drain(self, self._batches, timeout)
-            except Exception:  # a timeout or a crash: the sandboxes are killed, not closed
-                terminate = True
-            self._state = AsyncState.DEFAULT
+        terminate = self._drain_batches(timeout) or terminate
         terminate = self._finish_pending(timeout) or terminate
         self._teardown(terminate=terminate, timeout=timeout)
 
@@ -644,23 +569,3 @@ class ForkVectorEnv(AsyncFrontEnd, VectorEnv):
     def __repr__(self) -> str:
         """Same form as AsyncVectorEnv's repr."""
         return VectorEnv.__repr__(self)
-
-
-def _attach(sandboxes: Sandboxes, spaces: VectorSpaces) -> bool:
-    """Open the slabs and have every worker map its own; whether observations travel in
-    the slab."""
-    config = sandboxes.config
-    single = spaces.single_observation_space
-    if config.shared_memory and not async_shares(single):
-        raise ValueError(
-            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable "
-            "this feature with `shared_memory=False` however this is slower. "
-            f"(ForkVectorEnv: {single} has no shared layout.)"
-        )
-    # Spaces Async shares but that have no fixed-size slab layout (OneOf) travel in ring
-    # records: same results, one copy more.
-    obs_in_slab = config.shared_memory and slab_node(single, 1) is not None
-    sandboxes.open_slabs(spaces, obs_in_slab)
-    checks = sandboxes.attach_all(spaces, obs_in_slab)
-    check_attached(checks, config.observation_mode, spaces.single_action_space)
-    return obs_in_slab
