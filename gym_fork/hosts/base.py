@@ -31,7 +31,10 @@ from gym_fork.system.scratch import is_scratch_dir, remove_scratch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 
 HOST_KINDS = ("process", "microvm", "inline")
-# A microVM's guest RAM and batch slab unless the vector env says otherwise.
+# A microVM's guest RAM and batch slab unless the vector env says otherwise. The slab
+# device has one size for every VM of a host (device layouts must match for a restore).
+# A live fork reads all of it (the migration scans every page), so it is sized for
+# typical batches rather than for the largest; vm_slab_mb raises it.
 DEFAULT_VM_MEMORY_MB = 256
 DEFAULT_VM_SLAB_MB = 16
 

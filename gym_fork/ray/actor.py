@@ -132,10 +132,6 @@ class ShardWorker:
         """The handles this actor holds."""
         return sorted(self.envs)
 
-    def crash(self) -> None:
-        """Test hook: die as a lost node would (no cleanup, no reply)."""
-        os._exit(1)
-
 
 def _portable(exc: Exception) -> Exception | _Mixed:
     """The exception itself when it pickles; an untrusted sub-env error (a class made at

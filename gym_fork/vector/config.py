@@ -12,7 +12,13 @@ import numpy as np
 from gymnasium import Space
 from gymnasium.vector import AutoresetMode
 
-from gym_fork.hosts.base import HOST_KINDS, HostConfig, PrepareRecipe
+from gym_fork.hosts.base import (
+    DEFAULT_VM_MEMORY_MB,
+    DEFAULT_VM_SLAB_MB,
+    HOST_KINDS,
+    HostConfig,
+    PrepareRecipe,
+)
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 
@@ -81,8 +87,8 @@ class VectorConfig:
     timeout: float | None = None
     gpu_fork_policy: str = "refuse"
     host: str = "process"
-    vm_memory_mb: int = 256
-    vm_slab_mb: int = 16
+    vm_memory_mb: int = DEFAULT_VM_MEMORY_MB
+    vm_slab_mb: int = DEFAULT_VM_SLAB_MB
     trusted: bool = False
     prepare: PrepareRecipe | None = None
     origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from

@@ -401,11 +401,11 @@ def _call_note(
 
 
 def crashed(worker: WorkerHandle, exit_code: int | None, when: str, branch: str) -> SubEnvCrashed:
-    """A sandbox died: name it, its exit status and its last stderr lines."""
-    worker.dead = True
+    """A sandbox died: name it, its exit status and its last stderr lines (the caller
+    marks the worker dead)."""
     tail = worker.output_tail("stderr").rstrip().splitlines()[-STDERR_LINES:]
     stderr = "\n".join("    " + line for line in tail) if tail else "    (nothing)"
-    error = SubEnvCrashed(
+    return SubEnvCrashed(
         f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} "
         f"(pid {worker.pid}) died {when}: {describe_status(exit_code)}. Call reset() to "
         f"replace it with a fresh sandbox. Its last stderr lines:\n{stderr}",
@@ -413,7 +413,6 @@ def crashed(worker: WorkerHandle, exit_code: int | None, when: str, branch: str)
         pid=worker.pid,
         exitcode=exit_code,
     )
-    return error
 
 
 def corrupted(worker: WorkerHandle, exc: TransportError) -> TransportError:

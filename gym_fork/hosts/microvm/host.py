@@ -62,11 +62,6 @@ from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import Channel, region_bytes
 from gym_fork.worker import protocol as P
 
-DEFAULT_MEMORY_MB = 256
-# The slab device has one size for every VM of a host (device layouts must match for a
-# restore). A live fork reads all of it (the migration scans every page), so it is
-# sized for typical batches rather than for the largest; vm_slab_mb raises it.
-DEFAULT_SLAB_MB = 16
 BOOT_TIMEOUT_S = 600.0  # TCG boots and imports numpy/gymnasium in ~10 s; keep a margin
 
 _EXIT_LINE = re.compile(r"gym_fork-guest-exit (\d+)")
