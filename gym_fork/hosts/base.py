@@ -284,6 +284,12 @@ class Host(Protocol):
         """Is the warm parent still able to make sandboxes?"""
         ...
 
+    def tree(self) -> list[WorkerHandle]:
+        """The live sandboxes of this warm parent (of every vector env sharing it) that
+        can signal one another, the suspects when one is found stopped; an empty list
+        where sandboxes cannot signal each other (each VM has its own kernel; inline)."""
+        ...
+
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """A dead worker's exit code (negative: a signal), None when unknown."""
         ...

@@ -139,6 +139,11 @@ class InlineHost(SharedByBranches):
         """The controller is the warm parent: alive until closed."""
         return not self._closed
 
+    def tree(self) -> list[WorkerHandle]:
+        """None: the sandboxes are threads of the controller, not processes a signal
+        could stop one by one."""
+        return []
+
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """A thread has no exit code."""
         return None

@@ -261,8 +261,8 @@ class WorkerPool:
         if not stall.seen(state):
             return
         when = f"while the controller waited for its {P.NAMES[op]} reply"
-        suspects = []
-        if getattr(self.host, "tree", None) is not None:  # sandboxes that share a kernel
+        suspects: list[tuple[WorkerHandle, bool]] = []
+        if self.host.tree():  # sandboxes that can signal one another (a shared kernel)
             suspects = [(w, mine) for w, mine in self._tree() if w is not worker]
         if stall.stops >= MAX_STOPS:
             worker.kill()
@@ -273,14 +273,11 @@ class WorkerPool:
 
     def _tree(self) -> list[tuple[WorkerHandle, bool]]:
         """The live sandboxes of this pool's tree, each with whether it is one of this
-        pool's: every sandbox of the warm parent where the host knows them (the process
-        host's ``tree()``: its sandboxes can signal one another), else this pool's own."""
-        tree = getattr(self.host, "tree", None)
+        pool's: this pool's own, and the other sandboxes of the warm parent that can
+        signal them (the host's ``tree()``; none where sandboxes cannot: VMs, inline)."""
         mine = [w for w in self.workers if w.alive()]
-        if tree is None:
-            return [(w, True) for w in mine]
         ours = {id(w) for w in self.workers}
-        others = [w for w in tree() if id(w) not in ours]
+        others = [w for w in self.host.tree() if id(w) not in ours]
         return [(w, True) for w in mine] + [(w, False) for w in others]
 
     def tree_note(self) -> str:

@@ -626,6 +626,10 @@ class MicroVMHost(SharedByBranches):
         """The frozen parent exists as long as this host is open."""
         return self.template is not None and self.template.ram_fd >= 0
 
+    def tree(self) -> list[WorkerHandle]:
+        """None: each VM has its own kernel, so no sandbox can signal another."""
+        return []
+
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """The guest worker's exit status if it reported one, else QEMU's."""
         pid = worker.pid
