@@ -187,9 +187,41 @@ def make(contender: str, kind: str, n: int) -> Any:
     raise ValueError(contender)
 
 
+def involved_pids() -> set[int]:
+    """This process, every process below it, and every process gym_fork started for it
+    wherever it went (a warm parent and its sandboxes carry GYM_FORK_SANDBOX=<our pid>
+    in their environment; reparented, they are no descendants of ours)."""
+    needle = f"\0GYM_FORK_SANDBOX={os.getpid()}\0".encode()
+    pids = set(tree_of(os.getpid()))
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in b"\0" + f.read():
+                        pids.add(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def cpu_seconds(pids: set[int]) -> float:
+    """CPU time (user + system) of ``pids`` (threads count in their process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (after state at [0])
+    return total / tick
+
+
 def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]:
-    """Construction + first reset (s) and steps/s over ``steps`` vector steps (after 20
-    warm-up steps) of one fresh vector env."""
+    """Construction + first reset (s), steps/s over ``steps`` vector steps (after 20
+    warm-up steps) of one fresh vector env, and the cores it kept busy meanwhile (CPU
+    seconds of every process involved over wall seconds)."""
     _, actions_n, _ = ENVS[kind]
     actions = np.random.default_rng(0).integers(0, actions_n, (steps + 20, n))
     started = time.perf_counter()
@@ -199,13 +231,17 @@ def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]
         construction = time.perf_counter() - started
         for a in actions[:20]:
             envs.step(a)
+        pids = involved_pids()
+        cpu = cpu_seconds(pids)
         started = time.perf_counter()
         for a in actions[20:]:
             envs.step(a)
-        rate = steps * n / (time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        busy = (cpu_seconds(pids) - cpu) / wall
+        rate = steps * n / wall
     finally:
         envs.close()
-    return {"construction_s": construction, "steps_per_s": rate}
+    return {"construction_s": construction, "steps_per_s": rate, "busy_cores": busy}
 
 
 def pss_child(contender: str, kind: str, n: int) -> None:
@@ -279,6 +315,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
     pong_missing = pong_available()
     samples: dict[str, dict[str, list[Any]]] = {}
     construction: dict[str, list[Any]] = {c: [] for c in CONTENDERS}
+    busy: dict[str, dict[str, list[float]]] = {}
     for repeat in range(repeats):
         for row, kind, n, full, short in ROWS:
             if kind == "pong" and pong_missing:
@@ -294,6 +331,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
                         construction[contender].append(str(exc))
                     continue
                 samples[row][contender].append(got["steps_per_s"])
+                busy.setdefault(row, {}).setdefault(contender, []).append(got["busy_cores"])
                 if row == "CartPole x8":
                     construction[contender].append(got["construction_s"])
                 log(
@@ -314,6 +352,9 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
         "table": table,
         "samples": samples,
         "construction_samples": construction,
+        "busy_cores": {
+            row: {c: statistics.median(v) for c, v in b.items()} for row, b in busy.items()
+        },
         "pss_env": pss_kind,
         "goals": {row: goal[0] for row, goal in GOALS.items()},
         "ratios": {row: ratio(table[row], a, b) for row, (_, a, b, _) in GOALS.items()},
@@ -380,7 +421,36 @@ def format_table(result: dict[str, Any], markdown: bool = False) -> str:
         widths = [max(len(r[i]) for r in [head, *rows]) + 2 for i in range(len(head))]
         lines = ["".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     lines += [""] + [f"[{i + 1}] {note}" for i, note in enumerate(notes)]
+    lines += ["", per_core_table(result, markdown)]
     return "\n".join(lines)
+
+
+def per_core_table(result: dict[str, Any], markdown: bool = False) -> str:
+    """Per row and contender: the cores kept busy and the steps/s per busy core, the
+    latter as a ratio to SyncVectorEnv's (1.00: as much env work per core as one
+    process stepping the envs in a loop; below: cores spent on something else)."""
+    head = ["row (busy cores, steps/s per busy core vs Sync's)", *CONTENDERS]
+    rows = []
+    for row, by_contender in result.get("busy_cores", {}).items():
+        rates = result["table"].get(row, {})
+        per_core = {
+            c: rates[c] / cores
+            for c, cores in by_contender.items()
+            if isinstance(rates.get(c), float) and cores > 0
+        }
+        sync = per_core.get(SYNC)
+        cells = [row]
+        for c in CONTENDERS:
+            if c not in per_core:
+                cells.append("-")
+                continue
+            share = f" {per_core[c] / sync:.2f}x" if sync else ""
+            cells.append(f"{by_contender[c]:.2f} cores,{share}")
+        rows.append(cells)
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join("  ".join(r) for r in [head, *rows])
 
 
 def plot(result: dict[str, Any], path: str) -> bool:
