@@ -157,6 +157,33 @@ class Worker:
             checks.append([bool(same_obs), bool(act_space == env.action_space)])
         return checks
 
+    # -- a clone's new identity -----------------------------------------------------
+    def hosted(self, index: int) -> SubEnvSlot:
+        """The slot of sub-env ``index`` (RuntimeError when this worker does not host it)."""
+        slot = next((s for s in self.slots if s.index == index), None)
+        if slot is None:
+            raise RuntimeError(f"fork: this worker does not host sub-env {index}")
+        return slot
+
+    def become_clone(self, source: int, index: int, seed: int | None, num_envs: int) -> None:
+        """Turn this copy of a running worker into the clone of its sub-env ``source``,
+        whatever made the copy (a forked process, a restored VM): it keeps that one
+        sub-env, now sub-env ``index`` of a branch of ``num_envs`` (its worker-mates stay
+        with the source, dropped here unclosed as a forked process drops them), reseeded
+        with ``seed`` when given; it maps the branch's slab with the source's spaces and
+        announces itself with a HELLO."""
+        slot = self.hosted(source)
+        if self.attach_arg is None:
+            raise RuntimeError("fork: the source worker had not attached its slab")
+        self.origins = [self.origins[self.slots.index(slot)]]
+        self.slots = [slot]
+        slot.index = index
+        self.indices = [index]
+        if seed is not None:
+            reseed_env(slot.env, seed)
+        self.attach(dict(self.attach_arg, num_envs=num_envs))
+        self.channel.send([P.HELLO, 0, self.identity(), None])
+
     # -- requests -------------------------------------------------------------------
     def _attached(self) -> Slab:
         """The slab mapped at ATTACH (the controller attaches before any other request)."""

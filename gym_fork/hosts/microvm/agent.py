@@ -25,7 +25,7 @@ from gym_fork.hosts.microvm.doorbell import find_port
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P
-from gym_fork.worker.loop import NO_REPLY, Worker, reseed_env
+from gym_fork.worker.loop import NO_REPLY, Worker
 from gym_fork.worker.prepare import EnvRecipe
 
 RNDRESEEDCRNG = 0x5207  # ioctl: make the kernel's RNG draw from its pool now
@@ -116,20 +116,9 @@ class GuestWorker(Worker):
         refresh_clock(arg["time_ns"])
         self.generation = arg["generation"]
         self.isolation = guest_report(self.generation)
-        # The clone keeps the one sub-env it was made from; its worker-mates stay with
-        # the source (dropped unclosed here, as a forked process drops them).
-        slot = next(s for s in self.slots if s.index == arg["source"])
-        self.origins = [self.origins[self.slots.index(slot)]]
-        self.slots = [slot]
-        slot.index = arg["index"]
-        self.indices = [arg["index"]]
         if arg.get("seed") is not None:
-            reseed_env(slot.env, arg["seed"])
             reseed_kernel(arg["seed"])
-        if self.attach_arg is None:
-            raise RuntimeError("fork: the source worker had not attached its slab")
-        self.attach(dict(self.attach_arg, num_envs=arg["num_envs"]))
-        self.channel.send([P.HELLO, 0, self.identity(), None])
+        self.become_clone(arg["source"], arg["index"], arg.get("seed"), arg["num_envs"])
         return NO_REPLY, None
 
 

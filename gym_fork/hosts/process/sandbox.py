@@ -34,7 +34,7 @@ from gym_fork.system.linux import die_with_parent
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
-from gym_fork.worker.loop import SubEnvSlot, Worker, reseed_env
+from gym_fork.worker.loop import SubEnvSlot, Worker
 
 # A fan-out gets one more intermediate (up to one per core) per this many clones.
 FORKS_PER_INTERMEDIATE = 16
@@ -185,9 +185,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             raise RuntimeError(f"fork: fds for {handed.clones} clones, {len(clones)} asked")
         plan = []
         for k, (source_index, branch_index, seed, name) in enumerate(clones):
-            slot = next((s for s in worker.slots if s.index == source_index), None)
-            if slot is None:
-                raise RuntimeError(f"fork: this worker does not host sub-env {source_index}")
+            slot = worker.hosted(source_index)
             if seed is not None and not isinstance(seed, int):
                 raise TypeError(f"fork: a seed must be an int or None, got {seed!r}")
             plan.append(_Clone(slot, branch_index, seed, name, tuple(fds[per * k : per * (k + 1)])))
@@ -195,10 +193,9 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             clone.others = _runs_without(fds, clone.fds)
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
-        branch_arg = dict(worker.attach_arg, num_envs=arg["num_envs"])
         before_forking_clones(worker.scratch, worker.tree_isolation)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
-        pids = _double_fork(worker, plan, branch_arg, arg["ring_capacity"])
+        pids = _double_fork(worker, plan, arg["num_envs"], arg["ring_capacity"])
         # The controller learns the clones' pids in its own pid namespace from these.
         M.send_with_pidfds(worker.sock, M.ClonesForked(pids), pids)
         return pids
@@ -207,7 +204,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             os.close(fd)
 
 
-def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
+def _double_fork(worker, plan: list[_Clone], num_envs: int, capacity: int) -> list[int]:
     read_end, write_end = os.pipe()
     # The gate: clones block on it until every intermediate (its only other writers)
     # is gone, i.e. until they are orphans about to be adopted, instead of polling.
@@ -230,7 +227,7 @@ def _double_fork(worker, plan: list[_Clone], branch_arg, capacity) -> list[int]:
                         # /tmp and /dev/shm: the source waits for its EOF, so it cannot
                         # change them before every clone has its snapshot.
                         _become_clone(
-                            worker, plan[k], branch_arg, capacity, gate_read, crowded, write_end
+                            worker, plan[k], num_envs, capacity, gate_read, crowded, write_end
                         )
                     # 16 bytes < PIPE_BUF: writes from several intermediates never mix
                     os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
@@ -286,7 +283,13 @@ def _first_wait_asleep(channel: Channel) -> None:
 
 
 def _become_clone(
-    worker: ProcessWorker, clone: _Clone, branch_arg, capacity, gate, crowded: bool, snapshot: int
+    worker: ProcessWorker,
+    clone: _Clone,
+    num_envs: int,
+    capacity: int,
+    gate: int,
+    crowded: bool,
+    snapshot: int,
 ) -> None:
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
     redirect_output(out_fd, err_fd)
@@ -294,26 +297,20 @@ def _become_clone(
     def body() -> None:
         for lo, hi in clone.others:
             os.closerange(lo, hi)
-        slot = clone.slot
-        origin = worker.origins[worker.slots.index(slot)]
-        slot.index = clone.branch_index
-        if clone.seed is not None:
-            reseed_env(slot.env, clone.seed)
         child = ProcessWorker(
             Channel.attach(channel_fd, capacity, clone.name),
-            [clone.branch_index],
-            [origin],
+            worker.indices,
+            worker.origins,
             worker.make_env,
             slab_fd,
             socket.socket(fileno=sock_fd),
             worker.warm_parent,
             (worker.isolation_config, worker.tree_isolation),
         )
-        child.slots = [slot]
+        child.slots, child.attach_arg = worker.slots, worker.attach_arg
         child.enter_sandbox(copy_from=worker.scratch)
         os.close(snapshot)
-        child.attach(branch_arg)
-        child.channel.send([P.HELLO, 0, child.identity(), None])
+        child.become_clone(clone.slot.index, clone.branch_index, clone.seed, num_envs)
         _await_adoption(gate, worker.warm_parent)
         if crowded:
             _first_wait_asleep(child.channel)
