@@ -29,6 +29,7 @@ from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.scratch import is_scratch_dir, remove_scratch
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
+from gym_fork.worker.prepare import PrepareRecipe as PrepareRecipe  # one type, every host
 
 HOST_KINDS = ("process", "microvm", "inline")
 # A microVM's guest RAM and batch slab unless the vector env says otherwise. The slab
@@ -37,16 +38,6 @@ HOST_KINDS = ("process", "microvm", "inline")
 # typical batches rather than for the largest; vm_slab_mb raises it.
 DEFAULT_VM_MEMORY_MB = 256
 DEFAULT_VM_SLAB_MB = 16
-
-
-@dataclass(frozen=True)
-class PrepareRecipe:
-    """How ``from_parent`` prepares its warm parent: ``env_fn()``, ``reset(seed)`` when a
-    seed is given, ``warmup(env)``, then ``ready_check(env)`` (False: not ready)."""
-
-    warmup: Callable | None = None
-    ready_check: Callable | None = None
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -391,9 +382,7 @@ def init_message(config: HostConfig) -> dict[str, Any]:
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
         "registry": cloudpickle.dumps(dict(registry)),
-        "prepare": None
-        if prepare is None
-        else cloudpickle.dumps((prepare.warmup, prepare.ready_check, prepare.seed)),
+        "prepare": None if prepare is None else cloudpickle.dumps(prepare),
         "prepare_in_sandbox": config.prepare_in_sandbox,
     }
 

@@ -77,15 +77,9 @@ class InlineHost(SharedByBranches):
     def make_env(self, origin: int):
         """A fresh build of env_fns[origin], prepared as ``from_parent`` asks."""
         recipe = self.config.prepare
-        env = self.config.env_fns[0 if recipe else origin]()
         if recipe is not None:
-            if recipe.seed is not None:
-                env.reset(seed=recipe.seed)
-            if recipe.warmup is not None:
-                recipe.warmup(env)
-            if recipe.ready_check is not None and recipe.ready_check(env) is False:
-                raise RuntimeError("ready_check(env) returned False: the parent is not ready")
-        return env
+            return recipe.prepared_env(self.config.env_fns[0])
+        return self.config.env_fns[origin]()
 
     def spawn(
         self,

@@ -7,9 +7,33 @@ import contextlib
 import gc
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+
+
+@dataclass(frozen=True)
+class PrepareRecipe:
+    """How ``from_parent`` prepares its warm parent: ``env_fn()``, ``reset(seed)`` when a
+    seed is given, ``warmup(env)``, then ``ready_check(env)`` (False: not ready). The one
+    recipe every host follows (pickled whole into a sandboxed warm parent)."""
+
+    warmup: Callable | None = None
+    ready_check: Callable | None = None
+    seed: int | None = None
+
+    def prepared_env(self, env_fn: Callable[[], Any]):
+        """A new env from ``env_fn``, prepared by this recipe."""
+        env = env_fn()
+        if self.seed is not None:
+            env.reset(seed=self.seed)
+        if self.warmup is not None:
+            self.warmup(env)
+        if self.ready_check is not None and self.ready_check(env) is False:
+            raise RuntimeError("ready_check(env) returned False: the parent is not ready")
+        return env
 
 
 class EnvRecipe:
@@ -19,7 +43,7 @@ class EnvRecipe:
     def __init__(self) -> None:
         self.env_fns: list[Any] = []
         self.prototype = None  # the prepared env of from_parent, None otherwise
-        self.recipe: tuple | None = None  # (warmup, ready_check, seed) of from_parent
+        self.preparation: PrepareRecipe | None = None  # from_parent's, None otherwise
         self._attach_cache: dict[bytes, dict] = {}
 
     def prepare(self, message: dict[str, Any]) -> None:
@@ -35,7 +59,7 @@ class EnvRecipe:
         self.env_fns = cloudpickle.loads(message["env_fns"])
         prepare = message.get("prepare")
         if prepare is not None:
-            self.recipe = cloudpickle.loads(prepare)
+            self.preparation = cloudpickle.loads(prepare)
             if not message.get("prepare_in_sandbox"):
                 self.prototype = self.prepared_env()
         # Objects alive now are shared copy-on-write with every sandbox: keep the
@@ -45,26 +69,20 @@ class EnvRecipe:
 
     def builds_in_sandbox(self) -> bool:
         """True when sandboxes build their envs from ``env_fns`` (no prepared parent)."""
-        return self.prototype is None and self.recipe is None and bool(self.env_fns)
+        return self.prototype is None and self.preparation is None and bool(self.env_fns)
 
     def prepared_env(self):
-        """env_fn(), then reset(seed), warmup(env) and ready_check(env)."""
-        warmup, ready_check, seed = self.recipe
-        env = self.env_fns[0]()
-        if seed is not None:
-            env.reset(seed=seed)
-        if warmup is not None:
-            warmup(env)
-        if ready_check is not None and ready_check(env) is False:
-            raise RuntimeError("ready_check(env) returned False: the parent is not ready")
-        return env
+        """env_fns[0] prepared by from_parent's recipe."""
+        if self.preparation is None:
+            raise RuntimeError("prepared_env: this vector env has no from_parent recipe")
+        return self.preparation.prepared_env(self.env_fns[0])
 
     def make_env(self, origin: int):
         """The env a new sandbox starts from: the prototype's copy, a prepared env built
         in the sandbox (a clean launch), or a fresh build of env_fns[origin]."""
         if self.prototype is not None:
             return self.prototype
-        if self.recipe is not None:
+        if self.preparation is not None:
             return self.prepared_env()
         return self.env_fns[origin]()
 
