@@ -23,14 +23,13 @@ What is shared and what is private, per clone:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import re
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gym_fork.errors import SandboxStartError
@@ -56,6 +55,7 @@ from gym_fork.hosts.microvm.machine import (
     new_memfd,
 )
 from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
+from gym_fork.hosts.microvm.snapshot import BranchPoint, copy_data, freeze_copy
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import SandboxLimits
 from gym_fork.system.linux import ProcessWatch
@@ -65,48 +65,6 @@ from gym_fork.worker import protocol as P
 BOOT_TIMEOUT_S = 600.0  # TCG boots and imports numpy/gymnasium in ~10 s; keep a margin
 
 _EXIT_LINE = re.compile(r"gym_fork-guest-exit (\d+)")
-
-
-@dataclass
-class BranchPoint:
-    """A frozen VM: its RAM memfd, its saved device state, its channel's counters."""
-
-    ram_fd: int
-    state_fd: int
-    positions: bytes
-    created: float = field(default_factory=time.perf_counter)
-
-    def resume(self, machine: Machine) -> None:
-        """Load this point's state into ``machine`` (started ``incoming``), run it, and
-        ring its doorbell: what it waits for was written before its QEMU existed."""
-        reader = os.open(f"/proc/self/fd/{self.state_fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            machine.restore(reader)
-        finally:
-            os.close(reader)
-        machine.ring_bell()
-
-    def close(self) -> None:
-        for fd in (self.ram_fd, self.state_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.ram_fd = self.state_fd = -1
-
-
-def copy_data(source: int, target: int) -> None:
-    """Copy a memfd's data extents (skipping holes: untouched guest pages stay unallocated)."""
-    size = os.fstat(source).st_size
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(source, offset, os.SEEK_DATA)
-        except OSError:  # ENXIO: no data after offset
-            return
-        end = os.lseek(source, start, os.SEEK_HOLE)
-        done = start
-        while done < end:
-            done += os.copy_file_range(source, target, end - done, done, done)
-        offset = end
 
 
 _BOOT_LOCK = threading.Lock()
@@ -523,7 +481,9 @@ class MicroVMHost(SharedByBranches):
         machine = source.host_data.machine if source.host_data is not None else None
         if machine is None or not machine.alive():
             raise SandboxStartError(f"fork: the VM of {source.name} is not running")
-        point = self._freeze_copy(machine, source.channel)
+        point = freeze_copy(
+            self.config, machine, source.channel, die_with_controller=self._die_with_controller
+        )
         try:
             rebinds = [
                 (
@@ -548,63 +508,6 @@ class MicroVMHost(SharedByBranches):
             raise SandboxStartError(f"fork of {source.name}: {exc}") from exc
         finally:
             point.close()  # the clones hold their own mappings of its RAM
-
-    def _freeze_copy(self, machine: Machine, channel: Channel) -> BranchPoint:
-        """A branch point holding ``machine``'s current RAM and state; it resumes after."""
-        import socket
-
-        ram_fd = new_memfd("gym_fork-vm-branch-ram", self.config.memory_mb << 20)
-        state_fd = os.memfd_create("gym_fork-vm-branch-state", os.MFD_CLOEXEC)
-        dummy_channel = new_memfd("gym_fork-vm-helper", self.config.channel_bytes)
-        dummy_slab = new_memfd("gym_fork-vm-helper", self.config.slab_bytes)
-        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        helper = None
-        sending, receiving = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        point = BranchPoint(ram_fd, state_fd, b"")
-        try:
-            helper = Machine(
-                self.config,
-                ram_fd=ram_fd,
-                shared_ram=True,
-                channel_fd=dummy_channel,
-                slab_fd=dummy_slab,
-                out_fd=devnull,
-                err_fd=devnull,
-                incoming=True,
-                paused=True,
-                name="gym_fork-branch-point",
-                die_with_controller=self._die_with_controller,
-            )
-            machine.stop()
-            point.positions = channel.positions()
-            # All of the source's memory moves (its RAM is private, so x-ignore-shared
-            # would skip nothing; and on the helper it would refuse RAM for a shared
-            # block). The helper's channel and slab are throw-away copies.
-            helper._ignore_shared(False)
-            helper.command("getfd", {"fdname": "gf-in-ram"}, fds=(receiving.fileno(),))
-            helper.command("migrate-incoming", {"uri": "fd:gf-in-ram"})
-            machine._ignore_shared(False)
-            # QEMU throttles migrations to 128 MiB/s by default; this one is a local copy.
-            machine.command("migrate-set-parameters", {"max-bandwidth": 64 << 30})
-            machine.command("getfd", {"fdname": "gf-out-ram"}, fds=(sending.fileno(),))
-            machine.command("migrate", {"uri": "fd:gf-out-ram"})
-            machine._wait_migration("copying the RAM of a running VM")
-            helper._wait_migration("receiving the RAM of a running VM")
-            helper.save(state_fd)
-        except BaseException:
-            point.close()
-            raise
-        finally:
-            sending.close()
-            receiving.close()
-            for fd in (dummy_channel, dummy_slab, devnull):
-                os.close(fd)
-            if helper is not None:
-                helper.kill()
-            if machine.alive():
-                with contextlib.suppress(Exception):
-                    machine.cont()
-        return point
 
     def _check_capacity(self, ring_capacity: int) -> None:
         if ring_capacity != self.config.ring_capacity:

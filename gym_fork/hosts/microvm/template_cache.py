@@ -14,7 +14,7 @@ File layout: ``MAGIC``, the header's length (8 bytes, little endian), a JSON hea
 sizes, offsets, SHA-256 of the state, CRC-32 of the RAM data, the RAM's data extents, the
 channel positions), then the state and the RAM's data extents packed one after another,
 each section page aligned. Holes of the RAM memfd are not stored (untouched guest pages
-stay unallocated), as :func:`gym_fork.hosts.microvm.host.copy_data` does in memory.
+stay unallocated), as :func:`gym_fork.hosts.microvm.snapshot.copy_data` does in memory.
 
 A file is written under a temporary name and renamed into place, so a reader sees a
 complete file or none. :func:`load` checks the magic, the key, the file size, both
