@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import select
 import signal
+from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -136,3 +138,22 @@ def drop_controlling_terminal() -> None:
         raise OSError(exc.errno, f"giving up the controlling terminal: {exc.strerror}") from exc
     finally:
         os.close(fd)
+
+
+def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each data extent of ``fd`` below ``size`` (default: its size
+    now), holes skipped (SEEK_DATA/SEEK_HOLE)."""
+    size = os.fstat(fd).st_size if size is None else size
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return  # only a hole is left
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        position = end

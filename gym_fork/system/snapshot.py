@@ -10,11 +10,12 @@ holds, not 1 GiB of the clone's layer) and hard links (one file stays one file).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import stat
 from collections.abc import Iterable
+
+from gym_fork.system.linux import data_extents
 
 _CHUNK = 1 << 20
 
@@ -83,15 +84,7 @@ def _copy_file(src: str, dst: str, info: os.stat_result) -> None:
 
 def _copy_data(src_fd: int, dst_fd: int, size: int) -> None:
     """The data segments of ``src_fd`` at the same offsets (holes stay holes)."""
-    position = 0
-    while position < size:
-        try:
-            start = os.lseek(src_fd, position, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:
-                return  # only a hole is left
-            raise
-        end = min(os.lseek(src_fd, start, os.SEEK_HOLE), size)
+    for start, end in data_extents(src_fd, size):
         offset = start
         while offset < end:
             data = os.pread(src_fd, min(_CHUNK, end - offset), offset)
@@ -99,7 +92,6 @@ def _copy_data(src_fd: int, dst_fd: int, size: int) -> None:
                 return  # shrunk while being copied
             os.pwrite(dst_fd, data, offset)
             offset += len(data)
-        position = end
 
 
 def _copy_metadata(dst: str, info: os.stat_result) -> None:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from gym_fork.hosts.microvm.machine import Machine, MachineConfig, new_memfd
+from gym_fork.system.linux import data_extents
 from gym_fork.transport.channel import Channel
 
 
@@ -48,18 +49,10 @@ class BranchPoint:
 
 def copy_data(source: int, target: int) -> None:
     """Copy a memfd's data extents (skipping holes: untouched guest pages stay unallocated)."""
-    size = os.fstat(source).st_size
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(source, offset, os.SEEK_DATA)
-        except OSError:  # ENXIO: no data after offset
-            return
-        end = os.lseek(source, start, os.SEEK_HOLE)
+    for start, end in data_extents(source):
         done = start
         while done < end:
             done += os.copy_file_range(source, target, end - done, done, done)
-        offset = end
 
 
 def freeze_copy(

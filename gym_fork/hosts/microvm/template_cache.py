@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gym_fork.hosts.microvm.paths import cache_root
+from gym_fork.system.linux import data_extents
 
 if TYPE_CHECKING:
     from gym_fork.hosts.microvm.host import BranchPoint
@@ -130,18 +131,7 @@ def _align(n: int) -> int:
 
 def _extents(fd: int) -> list[tuple[int, int]]:
     """The data extents of ``fd`` as (offset, length), holes skipped."""
-    size = os.fstat(fd).st_size
-    found: list[tuple[int, int]] = []
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(fd, offset, os.SEEK_DATA)
-        except OSError:  # ENXIO: no data after offset
-            break
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        found.append((start, end - start))
-        offset = end
-    return found
+    return [(start, end - start) for start, end in data_extents(fd)]
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
