@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+_NVML_LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,25 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _missing_library() -> str:
+    """Why NVML cannot load here ("" if it may): without its library, importing pynvml
+    (~15 ms of class building, every vector env's construction) buys nothing. Where
+    pynvml is imported already (or is a test's stand-in) it is asked instead."""
+    if "pynvml" in sys.modules or not sys.platform.startswith("linux"):
+        return ""
+    try:
+        ctypes.CDLL(_NVML_LIBRARY)  # what pynvml loads next (and finds loaded)
+    except OSError as exc:
+        return f"NVML unavailable: {_NVML_LIBRARY} cannot be loaded ({exc})"
+    return ""
+
+
 def probe() -> GpuReport:
     """Query NVML (nvidia-ml-py). Without the package, the library or a device, the
     report says "no GPU" and why; this path raises nothing and takes milliseconds."""
+    missing = _missing_library()
+    if missing:
+        return GpuReport(nvml=False, reason=missing)
     try:
         import pynvml
     except ImportError:
