@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_fork import zygote_launch
 from gym_fork.hosts.process import zygote
 from tests.helpers import alive, marked_processes
 
@@ -137,7 +138,7 @@ def fresh_key(monkeypatch):
     """A zygote key no zygote has yet, and a controller that has not started one early:
     any start would show as a new zygote."""
     monkeypatch.setenv("PYTHONZYGOTETEST", "early")
-    monkeypatch.setattr(zygote, "_started_early", False)
+    monkeypatch.setattr(zygote_launch, "_started_early", False)
     monkeypatch.delenv("GYM_FORK_HOST", raising=False)
     monkeypatch.setenv("GYM_FORK_ZYGOTE", "1")
     return {pid for pid, _ in zygote.running()}

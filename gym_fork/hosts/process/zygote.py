@@ -10,10 +10,11 @@ job: the controller watches each warm parent through the pidfd that comes with t
 answer.
 
 Start: when the controller first looks up ``gym_fork.ForkVectorEnv`` or ``make_vec``
-(:func:`start_early`), so that it imports (~0.25 s of CPU) while the user's script goes
-on; else at :func:`prestart` or the first vector env. Starting costs the controller a
-``Popen``; the first fork waits for the zygote's ready message. ``import gym_fork``
-alone (the CLI, a warm parent, a sandbox) starts none.
+(:func:`start_early`, launched by ``gym_fork/zygote_launch.py`` before this module is
+imported), so that it imports (~0.25 s of CPU) while the user's script goes on; else at
+:func:`prestart` or the first vector env. Starting costs the controller a ``Popen``;
+the first fork waits for the zygote's ready message. ``import gym_fork`` alone (the
+CLI, a warm parent, a sandbox) starts none.
 
 Lifetime: a zygote exits when the controller closes its socket (at exit) or dies. Its
 warm parents get SIGTERM when it exits (PDEATHSIG) and take their trees down, so a
@@ -36,45 +37,25 @@ import os
 import resource
 import socket
 import subprocess
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
+from gym_fork import zygote_launch
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.linux import ProcessWatch, pidfd_pids
 
-# A zygote is rebuilt when one of these differs: they are read while an interpreter
-# starts or while the modules it pre-imports load. Every other variable a warm parent
-# gets afresh with each fork (os.environ), so none of them is in the key: gym_fork sets
-# some of its own at run time (GYM_FORK_SCRATCH_BASE), which must not cost a zygote.
-_KEY_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "LC_", "LANG")
-_KEY_SUFFIXES = ("_NUM_THREADS",)
-_KEY_NAMES = ("GYM_FORK_SPIN",)  # read when the ring module is imported
+# What the launch module defines, used by the warm parents' host under these names too.
+from gym_fork.zygote_launch import (  # noqa: F401
+    SANDBOX_MARKER,
+    enabled,
+    start_interpreter,
+    warm_parent_environment,
+    zygote_key,
+)
+
 # Zygotes kept at once (one per set of start-up inputs); older ones are retired.
 MAX_ZYGOTES = 2
-
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding gym_fork
-# Set in every warm parent's environment to the controller's pid, and so inherited by
-# every sandbox and whatever it starts: leak checks find a tree's processes by it.
-SANDBOX_MARKER = "GYM_FORK_SANDBOX"
-
-
-def enabled() -> bool:
-    """Whether warm parents are forked from a zygote (``GYM_FORK_ZYGOTE``, default on)."""
-    return os.environ.get("GYM_FORK_ZYGOTE", "1") != "0"
-
-
-def zygote_key(env: dict[str, str]) -> tuple:
-    """What a zygote's pre-imported state depends on."""
-    chosen = sorted(
-        (k, v)
-        for k, v in env.items()
-        if k.startswith(_KEY_PREFIXES) or k.endswith(_KEY_SUFFIXES) or k in _KEY_NAMES
-    )
-    ids = (os.getuid(), os.geteuid(), os.getgid(), os.getegid(), tuple(os.getgroups()))
-    return (sys.executable, ids, tuple(chosen))
 
 
 def process_state() -> dict[str, Any]:
@@ -98,49 +79,19 @@ def process_state() -> dict[str, Any]:
     }
 
 
-def start_interpreter(module: str, env: dict[str, str]) -> tuple[socket.socket, subprocess.Popen]:
-    """``python -m module FD`` with ``env``, and our end of the socket whose other end
-    is FD in it."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-    except BaseException:
-        ours.close()
-        raise
-    finally:
-        theirs.close()
-    return ours, process
-
-
-def warm_parent_environment() -> dict[str, str]:
-    """The environment of a warm parent: the controller's, with gym_fork importable
-    and the leak-check marker set."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env[SANDBOX_MARKER] = str(os.getpid())
-    return env
-
-
 class Zygote:
-    """Controller side of one zygote process.
+    """Controller side of one zygote process (``sock``: our end of its socket).
 
     Starting one costs the controller a ``Popen`` (milliseconds); the zygote imports in
     the background and says it is ready, which the first :meth:`fork_parent` waits for."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.key = zygote_key(env)
+    def __init__(self, key: tuple, sock: socket.socket, process: subprocess.Popen) -> None:
+        self.key = key
         self._lock = threading.Lock()
-        ours, self.process = start_interpreter("gym_fork.hosts.process.zygote_program", env)
-        self.sock: socket.socket | None = ours
+        self.process = process
+        self.sock: socket.socket | None = sock
         self.ready = False
-        self.forked = 0  # warm parents asked for; a zygote never asked gives way (_zygote_for)
+        self.forked = 0  # warm parents asked for; a zygote never asked gives way (_register)
 
     def alive(self) -> bool:
         return self.sock is not None and self.process.poll() is None
@@ -264,22 +215,34 @@ def fork_warm_parent(
 
 
 def _zygote_for(env: dict[str, str]) -> Zygote:
-    """The live zygote for ``env``'s key, started if there is none. Starting one retires
-    those no vector env ever used (one started early, under start-up inputs the
-    controller changed since) and the oldest beyond ``MAX_ZYGOTES``."""
+    """The live zygote for ``env``'s key, started if there is none."""
     key = zygote_key(env)
     with _registry_lock:
-        zygote = _zygotes.get(key)
-        if zygote is not None and not zygote.alive():
-            _zygotes.pop(key).close()
-            zygote = None
-        if zygote is not None:
-            return zygote
-        zygote = _zygotes[key] = Zygote(env)
-        for other in [k for k, z in _zygotes.items() if k != key and not z.forked]:
-            _zygotes.pop(other).retire()
-        while len(_zygotes) > MAX_ZYGOTES:
-            _zygotes.pop(next(iter(_zygotes))).retire()
+        zygote = _live(key)
+        if zygote is None:
+            started = start_interpreter(zygote_launch.ZYGOTE_PROGRAM, env)
+            zygote = _register(Zygote(key, *started))
+    return zygote
+
+
+def _live(key: tuple) -> Zygote | None:
+    """The registry's live zygote for ``key`` (a dead one is dropped); under the lock."""
+    zygote = _zygotes.get(key)
+    if zygote is not None and not zygote.alive():
+        _zygotes.pop(key).close()
+        return None
+    return zygote
+
+
+def _register(zygote: Zygote) -> Zygote:
+    """Add a new zygote, under the lock. It retires those no vector env ever used (one
+    started early, under start-up inputs the controller changed since) and the oldest
+    beyond ``MAX_ZYGOTES``."""
+    _zygotes[zygote.key] = zygote
+    for other in [k for k, z in _zygotes.items() if k != zygote.key and not z.forked]:
+        _zygotes.pop(other).retire()
+    while len(_zygotes) > MAX_ZYGOTES:
+        _zygotes.pop(next(iter(_zygotes))).retire()
     return zygote
 
 
@@ -296,24 +259,27 @@ def prestart(wait: bool = False) -> None:
             zygote.wait_ready(60.0)
 
 
-_started_early = False
-
-
 def start_early() -> bool:
     """Start the zygote when the controller first looks up ``gym_fork.ForkVectorEnv``
     (or ``make_vec``): it imports while the controller goes on with the user's script,
-    and the first vector env finds it ready. Only in a controller that would use it: not
-    in a process of a tree (a warm parent, a sandbox, what env code starts: they have
-    the marker), not with zygotes off or another host by ``GYM_FORK_HOST``; once.
-    Returns whether it started one."""
-    global _started_early
-    if _started_early or SANDBOX_MARKER in os.environ or not enabled():
-        return False
-    _started_early = True
-    if os.environ.get("GYM_FORK_HOST", "process") not in ("", "process"):
-        return False
-    prestart()
-    return True
+    and the first vector env finds it ready (where and when:
+    :func:`gym_fork.zygote_launch.launch_early`). Returns whether it started one."""
+    started = zygote_launch.launch_early()
+    adopt_early()
+    return started
+
+
+def adopt_early() -> None:
+    """Take the zygote ``gym_fork.zygote_launch`` launched early into this registry."""
+    early = zygote_launch.take_early()
+    if early is None:
+        return
+    launched = Zygote(*early)
+    with _registry_lock:
+        if _live(launched.key) is not None:  # one started since (prestart): keep that one
+            launched.close()
+        else:
+            _register(launched)
 
 
 def running() -> list[tuple[int, int]]:
