@@ -6,17 +6,20 @@ contenders interleaved, medians (min-max).
 
 Contenders: ``fork`` (``from gym_fork import ForkVectorEnv``: the lookup starts the
 zygote), ``fork-lazy`` (imported from its module: the zygote starts at construction, as
-``import gym_fork`` then ``gym_fork.ForkVectorEnv(...)`` later would not), ``async``
-(``gymnasium.vector.AsyncVectorEnv``). ``--work``: what the script does between its
-imports and the construction (a script that loads a model first): a number is seconds
-of sleep, anything else a module to import (``torch``). Also printed: the
-whole process's wall time and, for ForkVectorEnv, a second vector env of the process.
+``import gym_fork`` then ``gym_fork.ForkVectorEnv(...)`` later would not), ``fork-ready``
+(the lookup, then ``gym_fork.prestart(wait=True)`` before the clock starts: the best a
+zygote kept across processes could give), ``async`` (``gymnasium.vector.AsyncVectorEnv``).
+``--work``: what the script does between its imports and the construction (a script
+that loads a model first): a number is seconds of sleep, anything else a module to
+import (``torch``). Also printed: the load average, the whole process's wall time and,
+for ForkVectorEnv, a second vector env of the process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +28,9 @@ import time
 IMPORTS = {
     "fork": "from gym_fork import ForkVectorEnv as Vector\n",
     "fork-lazy": "from gym_fork.vector.fork_vector_env import ForkVectorEnv as Vector\n",
+    "fork-ready": (
+        "import gym_fork\nVector = gym_fork.ForkVectorEnv\ngym_fork.prestart(wait=True)\n"
+    ),
     "async": "Vector = gym.vector.AsyncVectorEnv\n",
 }
 
@@ -77,6 +83,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", nargs="+", default=["0", "0.3"])
     args = parser.parse_args()
+    print(f"load average (1, 5, 15 min) at the start: {os.getloadavg()}")
     for work in args.work:
         rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in IMPORTS}
         for _ in range(args.runs):
@@ -87,11 +94,12 @@ def main() -> None:
         for kind, runs in rows.items():
             first = [r["first"] for r in runs]
             print(
-                f"  {kind:9s} first env {shown(first)} = "
+                f"  {kind:10s} first env {shown(first)} = "
                 f"{statistics.median(first) / base:.1f}x async; second env "
                 f"{shown([r['second'] for r in runs])}; "
                 f"whole process {shown([r['process'] for r in runs])}"
             )
+    print(f"load average at the end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
