@@ -12,14 +12,7 @@ import gym_fork
 ROOT = Path(gym_fork.__file__).resolve().parent
 
 # Imports (importer, imported) left out of the graph on purpose, each with its reason.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("gym_fork.hosts.microvm.template_cache", "gym_fork.hosts.microvm.host"): (
-        "lazy, for BranchPoint: issue 19 gives the microVM snapshot code its own module"
-    ),
-    ("gym_fork.hosts.microvm.template_cache", "gym_fork.hosts.microvm.machine"): (
-        "lazy, for new_memfd and the machine's files: the same rework"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_names() -> dict[str, Path | None]:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gym_fork.hosts.microvm import template_dir
 from gym_fork.hosts.microvm.paths import cache_root
 
 DEFAULT_BOUND_MB = 4096
@@ -143,11 +144,9 @@ def _remove_if_unused(path: Path) -> bool:
 
 
 def _remove_boot_templates(digest: str) -> None:
-    from gym_fork.hosts.microvm.template_cache import SUFFIX, cache_dir
-
-    directory = cache_dir()
+    directory = template_dir.cache_dir()
     if directory.is_dir():
-        for entry in directory.glob(f"{digest}-*{SUFFIX}"):
+        for entry in directory.glob(f"{digest}-*{template_dir.SUFFIX}"):
             with contextlib.suppress(OSError):
                 entry.unlink()
 
@@ -193,12 +192,10 @@ class Cleared:
 
 def clear() -> Cleared:
     """Remove every image no live process uses, and every boot template."""
-    from gym_fork.hosts.microvm import template_cache
-
     done = Cleared()
-    boot_dir = template_cache.cache_dir()
+    boot_dir = template_dir.cache_dir()
     before = disk_bytes(boot_dir)
-    done.boot_templates = template_cache.clear()
+    done.boot_templates = template_dir.clear()
     done.freed_bytes += max(0, before - disk_bytes(boot_dir))
     for path in images_by_use():
         size = disk_bytes(path)

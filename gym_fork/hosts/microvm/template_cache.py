@@ -19,8 +19,8 @@ stay unallocated), as :func:`gym_fork.hosts.microvm.snapshot.copy_data` does in 
 A file is written under a temporary name and renamed into place, so a reader sees a
 complete file or none. :func:`load` checks the magic, the key, the file size, both
 checksums and the RAM size, and returns ``None`` with a log line for anything else: the
-caller boots and writes a new entry. ``GYM_FORK_VM_BOOT_CACHE=0`` turns the cache off; a
-path there moves it (default: ``<cache root>/boot-templates``).
+caller boots and writes a new entry. Where the entries live (``GYM_FORK_VM_BOOT_CACHE``)
+is :mod:`.template_dir`.
 ``python -m gym_fork.hosts.microvm.template_cache clear`` removes every entry.
 """
 
@@ -36,14 +36,12 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gym_fork.hosts.microvm.paths import cache_root
+from gym_fork.hosts.microvm.machine import TCG_CACHE_MB, MachineConfig, new_memfd, qemu_binary
+from gym_fork.hosts.microvm.snapshot import BranchPoint
+from gym_fork.hosts.microvm.template_dir import SUFFIX, cache_dir, clear, enabled
 from gym_fork.system.linux import data_extents
-
-if TYPE_CHECKING:
-    from gym_fork.hosts.microvm.host import BranchPoint
-    from gym_fork.hosts.microvm.machine import MachineConfig
 
 log = logging.getLogger("gym_fork.microvm")
 
@@ -52,21 +50,6 @@ MAGIC = b"GFBOOTT\x01"
 PAGE = 4096
 CHUNK = 8 << 20
 KEEP = 4  # entries kept after a write (one per image and VM shape; each is ~100-200 MB)
-SUFFIX = ".boot"
-
-
-def enabled() -> bool:
-    """False when ``GYM_FORK_VM_BOOT_CACHE`` is ``0``/``off``/``no``."""
-    return os.environ.get("GYM_FORK_VM_BOOT_CACHE", "1").lower() not in ("0", "off", "no")
-
-
-def cache_dir() -> Path:
-    """Where entries live: ``$GYM_FORK_VM_BOOT_CACHE`` if it is a path, else
-    ``<cache root>/boot-templates``."""
-    given = os.environ.get("GYM_FORK_VM_BOOT_CACHE", "")
-    if os.sep in given:
-        return Path(given)
-    return cache_root() / "boot-templates"
 
 
 def _file_id(path: os.PathLike | str) -> list:
@@ -90,8 +73,6 @@ def _host_cpu() -> str:
 
 def key_fields(config: MachineConfig) -> dict:
     """Everything a restore of a boot template made under ``config`` depends on."""
-    from gym_fork.hosts.microvm import machine
-
     image = config.image
     return {
         "format": FORMAT,
@@ -102,7 +83,7 @@ def key_fields(config: MachineConfig) -> dict:
         "python": image.python,
         "accel": config.accel,
         "cpu": _host_cpu() if config.accel == "kvm" else "max",
-        "tcg_cache_mb": machine.TCG_CACHE_MB,
+        "tcg_cache_mb": TCG_CACHE_MB,
         "memory_mb": config.memory_mb,
         "channel_bytes": config.channel_bytes,
         "slab_bytes": config.slab_bytes,
@@ -110,7 +91,7 @@ def key_fields(config: MachineConfig) -> dict:
         "doorbell": config.doorbell,
         "cmdline": config.kernel_cmdline(),
         "extra_args": list(config.extra_args),
-        "qemu": _file_id(machine.qemu_binary() or "none"),
+        "qemu": _file_id(qemu_binary() or "none"),
     }
 
 
@@ -235,9 +216,6 @@ class _Corrupt(Exception):
 def load(config: MachineConfig) -> BranchPoint | None:
     """``config``'s boot template from disk as fresh memfds, or ``None`` when there is no
     valid entry (a stale or corrupt one is removed, with a log line saying why)."""
-    from gym_fork.hosts.microvm.host import BranchPoint
-    from gym_fork.hosts.microvm.machine import new_memfd
-
     if not enabled():
         return None
     path = entry_path(config)
@@ -313,20 +291,6 @@ def _read_header(fd: int, config: MachineConfig) -> dict:
     if header["data_offset"] + data != size:
         raise _Corrupt("its RAM extents do not add up to the file")
     return header
-
-
-def clear() -> int:
-    """Remove every boot template entry (and leftover temporary files); their count."""
-    directory = cache_dir()
-    if not directory.is_dir():
-        return 0
-    removed = 0
-    for path in directory.iterdir():
-        if path.name.endswith(SUFFIX) or path.name.endswith(".tmp"):
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed += 1
-    return removed
 
 
 def _measure(runs: int) -> None:
