@@ -14,10 +14,11 @@ import textwrap
 
 import pytest
 
-from gym_fork.hosts.microvm import host, template_cache
+from gym_fork.hosts.microvm import boot, template_cache
 from gym_fork.hosts.microvm.accel import choose_accel
 from gym_fork.hosts.microvm.image import build_image
 from gym_fork.hosts.microvm.machine import MachineConfig, new_memfd
+from gym_fork.hosts.microvm.snapshot import BranchPoint
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, region_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,14 +137,14 @@ CORRUPTIONS = {
 }
 
 
-def stand_in_point(config: MachineConfig, marker: bytes) -> host.BranchPoint:
+def stand_in_point(config: MachineConfig, marker: bytes) -> BranchPoint:
     """A boot template made without booting: sparse RAM with one page of data."""
     ram = new_memfd("gym_fork-vm-boot-ram", config.memory_mb << 20)
     os.pwrite(ram, marker, 1 << 20)
     os.pwrite(ram, marker, (config.memory_mb << 20) - 4096)
     state = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
     os.write(state, b"device state " + marker)
-    return host.BranchPoint(ram, state, b"positions " + marker)
+    return BranchPoint(ram, state, b"positions " + marker)
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
@@ -162,14 +163,14 @@ def test_a_corrupt_entry_is_detected_removed_and_rebuilt(kind, tmp_path, monkeyp
 
     boots = []
 
-    def stand_in_boot(config: MachineConfig, timeout: float) -> host.BranchPoint:
+    def stand_in_boot(config: MachineConfig, timeout: float) -> BranchPoint:
         boots.append(1)
         return stand_in_point(config, b"new")
 
-    monkeypatch.setattr(host, "_boot", stand_in_boot)
-    monkeypatch.setattr(host, "_BOOT_TEMPLATES", {})
+    monkeypatch.setattr(boot, "boot_guest", stand_in_boot)
+    monkeypatch.setattr(boot, "_TEMPLATES", {})
     with caplog.at_level(logging.WARNING, logger="gym_fork.microvm"):
-        point, _seconds = host.boot_template(config, 10.0)
+        point, _seconds = boot.boot_template(config, 10.0)
     try:
         assert boots == [1], "the corrupt entry was used"
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -200,12 +201,12 @@ def test_an_intact_entry_is_used(tmp_path, monkeypatch):
         template_cache.store(config, written)
     finally:
         written.close()
-    monkeypatch.setattr(host, "_boot", lambda *a: pytest.fail("booted despite an entry"))
-    monkeypatch.setattr(host, "_BOOT_TEMPLATES", {})
-    point, _seconds = host.boot_template(config, 10.0)
+    monkeypatch.setattr(boot, "boot_guest", lambda *a: pytest.fail("booted despite an entry"))
+    monkeypatch.setattr(boot, "_TEMPLATES", {})
+    point, _seconds = boot.boot_template(config, 10.0)
     try:
         assert point.positions == b"positions old"
-        assert host.boot_template(config, 10.0) == (point, 0.0)  # then from memory
+        assert boot.boot_template(config, 10.0) == (point, 0.0)  # then from memory
     finally:
         point.close()
 
@@ -219,8 +220,8 @@ def test_release_boot_templates_with_disk_clears_the_cache(tmp_path, monkeypatch
     finally:
         written.close()
     (tmp_path / ".left-over.123.tmp").write_bytes(b"partial")
-    monkeypatch.setattr(host, "_BOOT_TEMPLATES", {})
-    host.release_boot_templates(disk=True)
+    monkeypatch.setattr(boot, "_TEMPLATES", {})
+    boot.release_boot_templates(disk=True)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -229,7 +230,7 @@ def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
     config = default_config()
     ram = new_memfd("gym_fork-vm-boot-ram", 1 << 20)
     state = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
-    point = host.BranchPoint(ram, state, b"")
+    point = BranchPoint(ram, state, b"")
     try:
         assert template_cache.store(config, point) is None
         assert template_cache.load(config) is None

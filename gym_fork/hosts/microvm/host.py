@@ -1,7 +1,8 @@
 """Controller side of the microVM host: one frozen parent VM, clones restored from it.
 
-The warm parent is a guest booted from the image (:mod:`.image`) whose agent prepares
-the env_fns exactly as the process host's warm parent does, then waits. The host
+The warm parent is a boot template (:mod:`.boot`: a guest booted once per process from
+the image, :mod:`.image`) resumed in a new QEMU, whose agent prepares the env_fns
+exactly as the process host's warm parent does, then waits. The host
 freezes it there: its RAM stays in a memfd (``share=on``: the guest wrote straight into
 it) and its device state is saved with ``x-ignore-shared`` (a few hundred KB). Every
 sandbox is then a QEMU that maps that memfd ``share=off`` (copy-on-write), loads the
@@ -46,6 +47,10 @@ from gym_fork.hosts.base import (
 )
 from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.accel import choose_accel
+from gym_fork.hosts.microvm.boot import boot_template, first_message, start_slabless
+from gym_fork.hosts.microvm.boot import (  # named here in docs/microvm.md and benchmarks/
+    release_boot_templates as release_boot_templates,
+)
 from gym_fork.hosts.microvm.image import GuestImage, ImageError, build_image
 from gym_fork.hosts.microvm.machine import (
     Machine,
@@ -53,6 +58,7 @@ from gym_fork.hosts.microvm.machine import (
     MachineError,
     controller_is_main_thread,
     new_memfd,
+    start_watched,
 )
 from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
 from gym_fork.hosts.microvm.snapshot import BranchPoint, copy_data, freeze_copy
@@ -65,125 +71,6 @@ from gym_fork.worker import protocol as P
 BOOT_TIMEOUT_S = 600.0  # TCG boots and imports numpy/gymnasium in ~10 s; keep a margin
 
 _EXIT_LINE = re.compile(r"gym_fork-guest-exit (\d+)")
-
-
-_BOOT_LOCK = threading.Lock()
-_BOOT_TEMPLATES: dict[MachineConfig, BranchPoint] = {}
-
-
-def boot_template(config: MachineConfig, timeout: float) -> tuple[BranchPoint, float]:
-    """The frozen, freshly booted guest for ``config`` (kernel up, agent imported and
-    waiting for its env_fns), booted once per controller process; and the seconds this
-    call spent making it (0 when it was there already). A boot is kept on disk too
-    (:mod:`.template_cache`), so a new process loads it instead of booting. Its memfds
-    are named ``gym_fork-vm-boot-*`` and live until :func:`release_boot_templates`."""
-    with _BOOT_LOCK:
-        point = _BOOT_TEMPLATES.get(config)
-        if point is not None and point.ram_fd >= 0:
-            return point, 0.0
-        started = time.perf_counter()
-        from gym_fork import progress
-        from gym_fork.hosts.microvm import template_cache
-
-        point = template_cache.load(config)
-        if point is None:
-            with progress.task(f"booting the microVM guest ({config.accel}, once)", delay=0.5):
-                point = _boot(config, timeout)
-            template_cache.store(config, point)
-        _BOOT_TEMPLATES[config] = point
-        return point, time.perf_counter() - started
-
-
-def release_boot_templates(*, disk: bool = False) -> None:
-    """Free the boot templates of this process (the next microVM host loads or boots
-    again); with ``disk``, also remove every boot template kept on disk."""
-    with _BOOT_LOCK:
-        for point in _BOOT_TEMPLATES.values():
-            point.close()
-        _BOOT_TEMPLATES.clear()
-        if disk:
-            from gym_fork.hosts.microvm import template_cache
-
-            template_cache.clear()
-
-
-def _start_slabless(
-    config: MachineConfig,
-    output: OutputCollector,
-    key: str,
-    ram_fd: int,
-    channel: Channel,
-    *,
-    incoming: bool,
-    die_with_controller: bool = True,
-) -> Machine:
-    """A VM with shared RAM and no vector env (a boot or a warm parent): its slab device
-    is a throw-away memfd; its output is watched under ``key``."""
-    slab_fd = new_memfd("gym_fork-vm-no-slab", config.slab_bytes)
-    (out_r, out_w), (err_r, err_w) = output.new_pipes()
-    try:
-        machine = Machine(
-            config,
-            ram_fd=ram_fd,
-            shared_ram=True,
-            channel_fd=channel.region.fd,
-            slab_fd=slab_fd,
-            out_fd=out_w,
-            err_fd=err_w,
-            incoming=incoming,
-            name=f"gym_fork-{key}",
-            die_with_controller=die_with_controller,
-        )
-    except BaseException:
-        os.close(out_r)
-        os.close(err_r)
-        raise
-    finally:
-        for fd in (slab_fd, out_w, err_w):
-            os.close(fd)
-    output.watch(key, out_r, err_r)
-    return machine
-
-
-def _boot(config: MachineConfig, timeout: float) -> BranchPoint:
-    from gym_fork.errors import RingTimeout
-
-    ram_fd = new_memfd("gym_fork-vm-boot-ram", config.memory_mb << 20)
-    state_fd = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
-    point = BranchPoint(ram_fd, state_fd, b"")
-    channel = Channel.create("booting VM", config.ring_capacity, poll=True)
-    output = OutputCollector(echo=False)
-    machine = None
-    try:
-        machine = _start_slabless(config, output, "boot", ram_fd, channel, incoming=False)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                message = channel.recv(0.2)
-                break
-            except RingTimeout:
-                if not machine.alive() or time.monotonic() > deadline:
-                    why = "exited" if not machine.alive() else f"took over {timeout} s"
-                    raise SandboxStartError(
-                        f"the guest ({config.accel}) {why} before its agent started; "
-                        "its output:\n"
-                        + output.tail("boot", "stderr")[-4000:]
-                        + output.tail("boot", "stdout")[-2000:]
-                        + machine.log()
-                    ) from None
-        if message.get("op") != "booted":
-            raise SandboxStartError(f"the guest agent said {message!r:.200} instead of booted")
-        machine.save(state_fd)
-        point.positions = channel.positions()
-    except BaseException:
-        point.close()
-        raise
-    finally:
-        if machine is not None:
-            machine.kill()
-        channel.close()
-        output.close()
-    return point
 
 
 @dataclass
@@ -297,7 +184,7 @@ class MicroVMHost(SharedByBranches):
         channel.set_positions(boot.positions)
         channel.send({**message, "time_ns": time.time_ns(), "entropy": os.urandom(32)})
         try:
-            machine = _start_slabless(
+            machine = start_slabless(
                 self.config,
                 output,
                 "parent",
@@ -327,24 +214,17 @@ class MicroVMHost(SharedByBranches):
             output.forget("parent")
 
     def _await_parent(self, channel: Channel, machine: Machine, timeout: float) -> dict:
-        from gym_fork.errors import RingTimeout
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                reply = channel.recv(0.2)
-                break
-            except RingTimeout:
-                if not machine.alive():
-                    raise SandboxStartError(
-                        "the warm parent VM exited before it was ready; its output:\n"
-                        + self._open_output().tail("parent", "stderr")[-4000:]
-                        + machine.log()
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise SandboxStartError(
-                        f"the warm parent VM was not ready within {timeout} s ({self.accel})"
-                    ) from None
+        reply = first_message(channel, machine, timeout)
+        if reply is None:
+            if not machine.alive():
+                raise SandboxStartError(
+                    "the warm parent VM exited before it was ready; its output:\n"
+                    + self._open_output().tail("parent", "stderr")[-4000:]
+                    + machine.log()
+                )
+            raise SandboxStartError(
+                f"the warm parent VM was not ready within {timeout} s ({self.accel})"
+            )
         if reply.get("op") != "ready":
             try:
                 raise_prepare_failure(reply, "the warm parent VM", trusted=self.trusted)
@@ -384,29 +264,21 @@ class MicroVMHost(SharedByBranches):
                 channel = Channel.create(spec.name, self.config.ring_capacity, poll=True)
                 channel.set_positions(point.positions)
                 channel.send(order)
-                (out_r, out_w), (err_r, err_w) = output.new_pipes()
                 try:
-                    machine = Machine(
+                    machine = start_watched(
                         self.config,
+                        output,
                         ram_fd=point.ram_fd,
                         shared_ram=False,
                         channel_fd=channel.region.fd,
                         slab_fd=slab_fd,
-                        out_fd=out_w,
-                        err_fd=err_w,
                         incoming=True,
                         name="gym_fork-" + re.sub(r"[^A-Za-z0-9_-]+", "-", spec.name),
                         die_with_controller=self._die_with_controller,
                     )
                 except BaseException:
                     channel.close()
-                    os.close(out_r)
-                    os.close(err_r)
                     raise
-                finally:
-                    os.close(out_w)
-                    os.close(err_w)
-                output.watch(str(machine.pid), out_r, err_r)
                 handle = WorkerHandle(
                     spec.name,
                     list(spec.indices),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gym_fork.hosts.microvm.image import GuestImage
 from gym_fork.hosts.microvm.qmp import QMP, QMPError
+from gym_fork.hosts.output import OutputCollector
 from gym_fork.system import linux
 
 # Guest-physical addresses of the channel and slab memory. They are pc-dimm devices at
@@ -317,6 +318,46 @@ class Machine:
             os.close(self.log_fd)
             self.log_fd = -1
         self.bell.close()
+
+
+def start_watched(
+    config: MachineConfig,
+    output: OutputCollector,
+    *,
+    ram_fd: int,
+    shared_ram: bool,
+    channel_fd: int,
+    slab_fd: int,
+    incoming: bool,
+    name: str,
+    die_with_controller: bool,
+    key: str | None = None,
+) -> Machine:
+    """A :class:`Machine` whose guest output ``output`` watches under ``key`` (default:
+    its QEMU's pid)."""
+    (out_r, out_w), (err_r, err_w) = output.new_pipes()
+    try:
+        machine = Machine(
+            config,
+            ram_fd=ram_fd,
+            shared_ram=shared_ram,
+            channel_fd=channel_fd,
+            slab_fd=slab_fd,
+            out_fd=out_w,
+            err_fd=err_w,
+            incoming=incoming,
+            name=name,
+            die_with_controller=die_with_controller,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    output.watch(str(machine.pid) if key is None else key, out_r, err_r)
+    return machine
 
 
 def _die_with_controller() -> None:

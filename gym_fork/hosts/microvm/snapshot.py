@@ -3,7 +3,7 @@ and its channel's counters, and how one is made from a running VM (:func:`freeze
 and resumed in a new QEMU (:meth:`BranchPoint.resume`).
 
 A branch point's RAM is mapped ``share=off`` by every clone restored from it, so the
-clones share its pages copy-on-write; the boot templates (:mod:`.host`, kept on disk by
+clones share its pages copy-on-write; the boot templates (:mod:`.boot`, kept on disk by
 :mod:`.template_cache`) and the warm parent are branch points too.
 """
 
