@@ -9,7 +9,11 @@ sandbox, so the isolation a vector env reports is this, not the sandbox's word.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from gym_fork.system.isolation import IsolationConfig
 
 NAMESPACES = ("mnt", "ipc", "uts", "net", "pid", "user")
 CAP_SETFCAP = 31
@@ -76,6 +80,97 @@ def measure(pid: int, writable: frozenset[str] = frozenset()) -> Measured | None
         return result
     result.writable_mounts = _writable_mounts(mountinfo, writable)
     result.layers = _layers(mountinfo)
+    return result
+
+
+@dataclass
+class Achieved:
+    """The layers one sandbox has (gym_fork/system/isolation.py made them): as it said,
+    or where its process could be measured, as the kernel says."""
+
+    namespaces: dict[str, bool]  # mount, ipc, uts, net, pid: True where its own
+    private_tmp: bool
+    no_new_privs: bool
+    details: dict[str, Any]  # capabilities, seccomp, the read-only view, ...
+    missing: dict[str, str]  # each layer it lacks, and why
+
+
+def achieved(
+    tree: dict[str, Any],
+    own: dict[str, Any],
+    missing: dict[str, str],
+    measured: Measured | None,
+    others: Iterable[tuple[int, Measured | None]],
+    config: IsolationConfig,
+) -> Achieved:
+    """The layers of a sandbox whose reports (``Isolation.report()``: what it said, after
+    env code may have run in it) are ``tree`` and ``own``, lacking ``missing``. With
+    ``measured`` (its process, as the kernel says) the kernel's word counts instead, and
+    what it shares with ``others`` (the processes of its tree, by pid: only iterated
+    then) is not its own."""
+    missing = dict(missing)
+    result = Achieved(
+        namespaces={
+            "mount": bool(own.get("mount")),
+            "ipc": bool(own.get("ipc")),
+            "uts": bool(tree.get("uts")),
+            "net": bool(tree.get("net")),
+            "pid": bool(tree.get("pid")),
+        },
+        private_tmp=bool(own.get("private_tmp")),
+        no_new_privs=bool(own.get("no_new_privs")),
+        details={
+            "proc": "the tree's own" if tree.get("proc") else "the host's",
+            "capabilities": own.get("capabilities", "kept"),
+            "seccomp": own.get("seccomp", "off"),
+            "read_only_host": bool(own.get("read_only_host")),
+            "writable": list(own.get("writable", [])),
+            "user_namespace": bool(own.get("user")),
+            # Not visible in /proc: as the sandbox set it up, before any env code.
+            "landlock": own.get("landlock", "off"),
+        },
+        missing=missing,
+    )
+    if measured is None:
+        return result
+    if config.namespaces:
+        # Its own, or only claimed? Compared with the others (a source could have kept
+        # its clone in its namespaces).
+        for other_pid, other in others:
+            shared = measured.shares_with(other) if other is not None else []
+            if not config.private_tmp:
+                shared = [s for s in shared if not s.startswith("/")]  # the host's, as asked
+            if shared:
+                missing.setdefault(
+                    "shared_namespaces",
+                    f"shares {', '.join(shared)} with process {other_pid} of its tree",
+                )
+            for name in shared:
+                if name in measured.namespaces:
+                    measured.namespaces[name] = False
+                else:  # /tmp or /dev/shm
+                    result.private_tmp = False
+    seen = measured.namespaces
+    result.namespaces = {
+        "mount": seen["mnt"],
+        "ipc": seen["ipc"],
+        "uts": seen["uts"],
+        "net": seen["net"],
+        "pid": seen["pid"],
+    }
+    result.no_new_privs = measured.no_new_privs
+    result.details.update(
+        capabilities=measured.capabilities_text(),
+        seccomp=measured.seccomp_text(),
+        user_namespace=seen["user"],
+        read_only_host=measured.writable_mounts == [],
+        measured_by="controller (/proc/<pid> of the sandbox)",
+    )
+    if measured.writable_mounts:
+        missing.setdefault(
+            "read_only_host",
+            f"writable mounts of the host: {', '.join(measured.writable_mounts)}",
+        )
     return result
 
 

@@ -6,7 +6,8 @@ A message type subclasses :class:`Message`, names itself with ``OP``, bounds its
 with ``MAX_BYTES`` and announces its fds with ``FDS`` (plus one per True in a
 ``pidfds`` field, or its own :meth:`Message.fd_count`). Its fields may be ``int``,
 ``float``, ``bool``, ``str``, ``bytes``, ``Any``, ``X | None``, ``list[X]``,
-``dict[K, V]`` and other such dataclasses.
+``dict[K, V]`` and other such dataclasses. A process travels as its pidfd
+(:func:`send_with_pidfds`, :func:`adopt_pidfds`): a pid alone proves nothing.
 
 The sender may be untrusted (it runs env code). What :func:`receive` returns is
 guaranteed to be an instance of one of the types the receiver asked for, of exactly
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
 from gym_fork.errors import ControlMessageError, SandboxStartError
-from gym_fork.system.linux import wait_readable
+from gym_fork.system.linux import ProcessWatch, pidfd_pids, wait_readable
 from gym_fork.transport.control import recv_message, send_message
 
 MAX_ITEMS = 4096  # items of one list or dict in a message
@@ -87,6 +88,34 @@ def send_with_pidfds(sock: socket.socket, message: Message, pids: list[int]) -> 
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+
+def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> list[ProcessWatch]:
+    """Watches of the processes a peer named as ``local_pids`` (in its pid namespace),
+    from the pidfds that came with its message (``present``: its ``pidfds``, see
+    :func:`send_with_pidfds`), each with the process's pid in ours. A peer that sends
+    anything but a pidfd of each process is refused (SandboxStartError, every fd
+    closed): a receiver never signals or inspects a pid it was merely told."""
+    rest = list(fds)
+    watches: list[ProcessWatch] = []
+    try:
+        if len(present) != len(local_pids):
+            raise SandboxStartError(f"expected a pidfd per process, got {len(fds)}")
+        for local, has_fd in zip(local_pids, present, strict=True):
+            if not has_fd:  # reaped already: a watch that says dead
+                watches.append(ProcessWatch(local, -1))
+                continue
+            fd = rest.pop(0)
+            pids = pidfd_pids(fd)
+            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else local, fd))
+            if not pids or pids[-1] not in (local, -1):
+                raise SandboxStartError(f"not a pidfd of process {local}")
+    except BaseException:
+        close_fds(rest)
+        for watch in watches:
+            watch.close()
+        raise
+    return watches
 
 
 @overload

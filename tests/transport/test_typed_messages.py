@@ -97,14 +97,28 @@ def test_a_message_round_trips_with_its_fds(message):
     round_trip(message, *KINDS)
 
 
-def test_pidfds_say_which_processes_came(pair):
+def test_pidfds_say_which_processes_came_and_become_watches(pair):
     ours, theirs = pair
     pids = [os.getpid(), 2**22 + 12345]  # the second is no process
     T.send_with_pidfds(ours, Forked(pids), pids)
     got, fds = T.receive(theirs, Forked)
     assert got.pidfds == [True, False] and len(fds) == 1
-    assert os.readlink(f"/proc/self/fd/{fds[0]}") == "anon_inode:[pidfd]"
-    T.close_fds(fds)
+    me, ghost = T.adopt_pidfds(got.pids, got.pidfds, fds)
+    assert (me.pid, me.alive()) == (os.getpid(), True)
+    assert ghost.alive() is False
+    me.close()
+
+
+def test_a_pidfd_of_another_process_than_named_is_refused(pair):
+    ours, theirs = pair
+    T.send_with_pidfds(ours, Forked([os.getppid()]), [os.getpid()])
+    got, fds = T.receive(theirs, Forked)
+    with pytest.raises(SandboxStartError, match=f"not a pidfd of process {os.getppid()}"):
+        T.adopt_pidfds(got.pids, got.pidfds, fds)
+    with pytest.raises(OSError):
+        os.fstat(fds[0])  # closed
+    with pytest.raises(SandboxStartError, match="a pidfd per process"):
+        T.adopt_pidfds([1, 2], [False], [])
 
 
 def test_a_message_without_pidfds_cannot_carry_them(pair):

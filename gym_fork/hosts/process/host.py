@@ -11,7 +11,7 @@ import subprocess
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,12 @@ from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.zygote import warm_parent_environment
 from gym_fork.system import cgroups
-from gym_fork.system.linux import ProcessWatch, pidfd_pids, raise_fd_limit
-from gym_fork.system.measure import Measured, measure
+from gym_fork.system.linux import ProcessWatch, raise_fd_limit
+from gym_fork.system.measure import Measured, achieved, measure
 from gym_fork.system.scratch import sweep
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.control import MAX_FDS
+from gym_fork.transport.typed_messages import adopt_pidfds
 from gym_fork.worker import protocol as P
 
 # Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
@@ -60,34 +61,6 @@ class SandboxLink:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> list[ProcessWatch]:
-    """Watches (pidfds, with pids in the controller's namespace) of the processes a
-    warm parent or worker reported as ``local_pids``, from the pidfds that came with its
-    reply (``present``: which did). A peer that sends anything but a pidfd of each
-    process is refused: the controller never signals or inspects a pid it was merely
-    told."""
-    rest = list(fds)
-    watches: list[ProcessWatch] = []
-    try:
-        if len(present) != len(local_pids):
-            raise SandboxStartError(f"expected a pidfd per process, got {len(fds)}")
-        for local, has_fd in zip(local_pids, present, strict=True):
-            if not has_fd:  # reaped already: a watch that says dead
-                watches.append(ProcessWatch(local, -1))
-                continue
-            fd = rest.pop(0)
-            pids = pidfd_pids(fd)
-            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else local, fd))
-            if not pids or pids[-1] not in (local, -1):
-                raise SandboxStartError(f"not a pidfd of process {local}")
-    except BaseException:
-        M.close_fds(rest)
-        for watch in watches:
-            watch.close()
-        raise
-    return watches
 
 
 class SandboxEnds:
@@ -508,83 +481,26 @@ class ProcessHost(SharedByBranches):
         in it before it reported.
         """
         report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
-        tree = report.get("tree") or self.tree_isolation.get("tree", {})
-        own = dict(report.get("sandbox", {}))
-        missing = dict(self.tree_isolation.get("missing", {}))
-        missing.update(report.get("missing", {}))
-        namespaces = {
-            "mount": bool(own.get("mount")),
-            "ipc": bool(own.get("ipc")),
-            "uts": bool(tree.get("uts")),
-            "net": bool(tree.get("net")),
-            "pid": bool(tree.get("pid")),
-        }
-        details = {
-            "process": True,
-            "address_space": "copy-on-write fork",
-            "proc": "the tree's own" if tree.get("proc") else "the host's",
-            "capabilities": own.get("capabilities", "kept"),
-            "seccomp": own.get("seccomp", "off"),
-            "read_only_host": bool(own.get("read_only_host")),
-            "writable": list(own.get("writable", [])),
-            "user_namespace": bool(own.get("user")),
-            # Not visible in /proc: as the sandbox set it up, before any env code.
-            "landlock": own.get("landlock", "off"),
-        }
-        no_new_privs = bool(own.get("no_new_privs"))
-        measured = None if pid is None else measure(pid, self._writable_mounts())
-        if pid is not None and measured is not None and self.config.isolation.namespaces:
-            # Its own, or only claimed? Compared with the warm parent and with every other
-            # sandbox of the tree (a source could have kept its clone in its namespaces).
-            for other_pid in self._neighbours(pid):
-                other = self._measured_once(other_pid)
-                shared = measured.shares_with(other) if other is not None else []
-                if self.config.isolation.network:
-                    shared = [s for s in shared if s != "net"]  # the host's, as asked
-                if not self.config.isolation.private_tmp:
-                    shared = [s for s in shared if not s.startswith("/")]
-                if shared:
-                    missing.setdefault(
-                        "shared_namespaces",
-                        f"shares {', '.join(shared)} with process {other_pid} of its tree",
-                    )
-                    for name in shared:
-                        key = {"mnt": "mount"}.get(name, name)
-                        if key in ("mount", "ipc", "net"):
-                            measured.namespaces["mnt" if key == "mount" else key] = False
-                        else:
-                            own["private_tmp"] = False
-        if measured is not None:
-            seen = measured.namespaces
-            namespaces = {
-                "mount": seen["mnt"],
-                "ipc": seen["ipc"],
-                "uts": seen["uts"],
-                "net": seen["net"],
-                "pid": seen["pid"],
-            }
-            no_new_privs = measured.no_new_privs
-            details.update(
-                capabilities=measured.capabilities_text(),
-                seccomp=measured.seccomp_text(),
-                user_namespace=seen["user"],
-                read_only_host=measured.writable_mounts == [],
-                measured_by="controller (/proc/<pid> of the sandbox)",
-            )
-            if measured.writable_mounts:
-                missing.setdefault(
-                    "read_only_host",
-                    f"writable mounts of the host: {', '.join(measured.writable_mounts)}",
-                )
+        measured = None
+        if pid is not None:
+            measured = measure(pid, frozenset(self.config.isolation.shared_writable()))
+        seen = achieved(
+            report.get("tree") or self.tree_isolation.get("tree", {}),
+            report.get("sandbox", {}),
+            {**self.tree_isolation.get("missing", {}), **report.get("missing", {})},
+            measured,
+            self._others(pid),
+            self.config.isolation,
+        )
         return IsolationReport(
             host=self.kind,
-            network="off" if namespaces["net"] else "host",
-            namespaces=namespaces,
-            private_tmp=bool(own.get("private_tmp")),
-            no_new_privs=no_new_privs,
+            network="off" if seen.namespaces["net"] else "host",
+            namespaces=seen.namespaces,
+            private_tmp=seen.private_tmp,
+            no_new_privs=seen.no_new_privs,
             limits=report.get("limits", {}),
-            missing=missing,
-            details=details,
+            missing=seen.missing,
+            details={"process": True, "address_space": "copy-on-write fork", **seen.details},
         )
 
     def _measured_once(self, pid: int) -> Measured | None:
@@ -598,16 +514,14 @@ class ProcessHost(SharedByBranches):
             cache[pid] = measure(pid)
         return cache[pid]
 
-    def _neighbours(self, pid: int) -> list[int]:
-        """The warm parent and the other live sandboxes of this tree (host pids)."""
+    def _others(self, pid: int | None) -> Iterator[tuple[int, Measured | None]]:
+        """The warm parent and the other live sandboxes of this tree (host pids), each
+        with what the kernel says about it."""
         # The newest 16: a branch's source is among them when the branch is new, and
         # the cost stays bounded in a tree search of thousands of sandboxes.
         others = [h.pid for h in self.tree() if h.pid != pid][-16:]
-        return ([self.pid] if self.pid else []) + others
-
-    def _writable_mounts(self) -> frozenset[str]:
-        """Mount points a sandbox of this host may write besides its own layers."""
-        return frozenset(self.config.isolation.shared_writable())
+        for other in ([self.pid] if self.pid else []) + others:
+            yield other, self._measured_once(other)
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
