@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork import ForkVectorEnv
-from gym_fork.hosts.microvm.host import release_boot_templates
+from gym_fork.hosts.microvm.boot import release_boot_templates
 
 
 def cartpole():

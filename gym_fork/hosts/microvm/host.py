@@ -48,9 +48,6 @@ from gym_fork.hosts.base import (
 from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.accel import choose_accel
 from gym_fork.hosts.microvm.boot import boot_template, first_message, start_slabless
-from gym_fork.hosts.microvm.boot import (  # named here in docs/microvm.md and benchmarks/
-    release_boot_templates as release_boot_templates,
-)
 from gym_fork.hosts.microvm.image import GuestImage, ImageError, build_image
 from gym_fork.hosts.microvm.machine import (
     Machine,
