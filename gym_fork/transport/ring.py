@@ -1,9 +1,10 @@
 """Python face of the C ring (ext/gf_ring.c): records in, records out, typed errors.
 
-Every wait is cut into slices of at most :data:`SLICE` seconds (ext/gf_ring.c,
-invariant 13): between slices Python runs signal handlers (Ctrl-C), checks the overall
-deadline and, when given, whether the peer is still alive. The first slice is the only
-work done when a record or space is there at once.
+Every wait, here and in the controller's waits for its sandboxes (gym_fork.vector.pool),
+is :func:`wait`: slices of at most :data:`SLICE` seconds (ext/gf_ring.c, invariant 13),
+between which Python runs signal handlers (Ctrl-C), checks the overall deadline and,
+when given, whether the peer is still alive. The first slice is the only work done when
+a record or space is there at once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from gym_fork._ring import ffi, lib
 from gym_fork.errors import PeerGone, RingTimeout, TransportError
@@ -35,6 +37,13 @@ _REASONS = {
 
 _TAGS = [ffi.new("char[1]", bytes([t])) for t in range(4)]
 
+# A wait on several rings at once (no futex spans rings) polls their positions: rounds
+# that find nothing yield the core for ANY_SPIN_S, then sleep ANY_FIRST_SLEEP, twice as
+# long each round, up to ANY_LAST_SLEEP (a record waits at most ~0.25 ms to be noticed).
+ANY_SPIN_S = 100e-6
+ANY_FIRST_SLEEP = 20e-6
+ANY_LAST_SLEEP = 200e-6
+
 
 def ring_bytes(capacity: int) -> int:
     """Bytes one ring of ``capacity`` data bytes occupies in a region."""
@@ -47,6 +56,8 @@ SLICE = 0.1
 _SLICE_NS = int(SLICE * 1e9)
 _WAITING = (lib.GF_ETIMEDOUT, lib.GF_EINTR)
 
+T = TypeVar("T")
+
 
 def _slice_ns(timeout: float) -> int:
     """The first slice of a wait of ``timeout`` seconds, in ns."""
@@ -55,40 +66,51 @@ def _slice_ns(timeout: float) -> int:
     return int(timeout * 1e9) if timeout > 0 else 0
 
 
-class _Wait:
-    """The rest of a wait after its first slice: the deadline and the peer check."""
+def rest_deadline(rc: int, timeout: float | None) -> float | None:
+    """The deadline (``time.monotonic()``) of a wait of ``timeout`` s whose first slice
+    ended with ``rc``: one that timed out used all of itself, one cut by a signal counts
+    as nothing (a deadline at most one slice late, never early)."""
+    if timeout is None:
+        return None
+    spent = min(timeout, SLICE) if rc == lib.GF_ETIMEDOUT else 0.0
+    return time.monotonic() + max(0.0, timeout - spent)
 
-    __slots__ = ("alive", "deadline", "ring", "timeout")
 
-    def __init__(
-        self, ring: Ring, rc: int, timeout: float | None, alive: Callable[[], bool] | None
-    ) -> None:
-        self.ring = ring
-        self.timeout = timeout
-        self.alive = alive
-        if timeout is None:
-            self.deadline = None
+def wait(
+    attempt: Callable[[int], T | None],
+    deadline: float | None,
+    between: Callable[[], T | None] | None = None,
+    *,
+    checked: float = -SLICE,
+) -> T | None:
+    """The one wait loop, entered after a first attempt found nothing.
+
+    ``attempt(ns)`` looks, waiting up to ``ns`` ns (a ring's spin then futex, polling
+    sleep or doorbell; :class:`AnyRing`'s polls), in slices of at most :data:`SLICE` s,
+    until it returns a value. ``between()``, the liveness check, runs before an attempt
+    once a slice has passed since it last ran (since ``checked``, ``time.monotonic()``;
+    by default at once: the first attempt waited a slice); it raises, or returns a value
+    that ends the wait. None once ``deadline`` (``time.monotonic()``; None: never) has
+    passed. Between slices Python runs the signal handlers (Ctrl-C)."""
+    check_at = checked + SLICE
+    while True:
+        if between is not None:
+            now = time.monotonic()
+            if now >= check_at:
+                got = between()
+                if got is not None:
+                    return got
+                check_at = now + SLICE
+        if deadline is None:
+            ns = _SLICE_NS
         else:
-            # A first slice that timed out used all of itself; one cut by a signal is
-            # counted as nothing (a deadline at most one slice late, never early).
-            spent = min(timeout, SLICE) if rc == lib.GF_ETIMEDOUT else 0.0
-            self.deadline = time.monotonic() + max(0.0, timeout - spent)
-
-    def next_slice(self, writing: bool) -> int:
-        """ns for the next slice; raises when the peer is gone or the deadline passed."""
-        name = self.ring.name
-        if self.alive is not None and not self.alive():
-            waited = "for space in a full ring" if writing else "for a record"
-            raise PeerGone(f"ring {name!r}: its peer is gone (this side waited {waited})",
-                           worker=name)  # fmt: skip
-        if self.deadline is None:
-            return _SLICE_NS
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            if writing:
-                raise RingTimeout(f"ring {name!r} stayed full for {self.timeout} s")
-            raise RingTimeout(f"ring {name!r}: nothing arrived within {self.timeout} s")
-        return _SLICE_NS if left >= SLICE else int(left * 1e9)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ns = _SLICE_NS if left >= SLICE else int(left * 1e9)
+        got = attempt(ns)
+        if got is not None:
+            return got
 
 
 class Ring:
@@ -178,25 +200,45 @@ class Ring:
 
     def _write_rest(self, rc, head, head_len, body, body_len, timeout, alive) -> None:
         """Everything after a first slice that did not simply write the record."""
-        if rc == lib.GF_WAKE:
-            self._ring_peer()
-            return
-        if rc not in _WAITING:
-            self._raise_write(rc, head_len + body_len)
-        wait = _Wait(self, rc, timeout, alive)
-        try:
-            while rc in _WAITING:
-                ns = wait.next_slice(writing=True)
+        if rc in _WAITING:
+
+            def attempt(ns: int) -> int | None:
                 rc = lib.gf_ring_write(
                     self._ring, self.capacity, self.spin, self._side,
                     head, head_len, body, body_len, ns,
                 )  # fmt: skip
-        finally:
-            self._side.interval = self._side.slept = 0
+                return None if rc in _WAITING else rc
+
+            try:
+                got = wait(attempt, rest_deadline(rc, timeout), self._gone(alive, writing=True))
+            finally:
+                self._side.interval = self._side.slept = 0
+            if got is None:
+                raise RingTimeout(f"ring {self.name!r} stayed full for {timeout} s")
+            rc = got
         if rc == lib.GF_WAKE:
             self._ring_peer()
         elif rc != lib.GF_OK:
             self._raise_write(rc, head_len + body_len)
+
+    def _gone(self, alive: Callable[[], bool] | None, *, writing: bool):
+        """The check between slices of a wait: PeerGone once ``alive()`` is False (a
+        reader first takes what the peer published before it died: its last word)."""
+        if alive is None:
+            return None
+
+        def between() -> int | None:
+            if alive():
+                return None
+            if not writing:
+                n = self._take(0)
+                if n not in _WAITING:
+                    return n
+            waited = "for space in a full ring" if writing else "for a record"
+            raise PeerGone(f"ring {self.name!r}: its peer is gone (this side waited {waited})",
+                           worker=self.name)  # fmt: skip
+
+        return between
 
     def _raise_write(self, rc: int, size: int) -> None:
         if rc == lib.GF_ETOOBIG:
@@ -277,27 +319,25 @@ class Ring:
         if n == lib.GF_ETOOSMALL:
             self._grow(int(self._needed[0]))
             n = self._take(0)
-        if n not in _WAITING:
-            if n >= 0:
-                return memoryview(self._out)[:n]
-            raise self._corrupt(n)
-        wait = _Wait(self, n, timeout, alive)
-        try:
-            while n in _WAITING:
-                try:
-                    ns = wait.next_slice(writing=False)
-                except PeerGone:
-                    # What the peer published before it died is still its last word.
-                    n = self._take(0)
-                    if n in _WAITING:
-                        raise
-                    break
-                n = self._take(ns)
-        finally:
-            self._side.interval = self._side.slept = 0
+        if n in _WAITING:
+            try:
+                got = wait(
+                    self._record, rest_deadline(n, timeout), self._gone(alive, writing=False)
+                )
+            finally:
+                self._side.interval = self._side.slept = 0
+            if got is None:
+                raise RingTimeout(f"ring {self.name!r}: nothing arrived within {timeout} s")
+            n = got
         if n < 0:
             raise self._corrupt(n)
         return memoryview(self._out)[:n]
+
+    def _record(self, ns: int) -> int | None:
+        """One slice of :meth:`read`'s wait: the record's length (or an error code), None
+        if none came."""
+        n = self._take(ns)
+        return None if n in _WAITING else n
 
     def _ring_peer(self) -> None:
         """The reader sleeps on its doorbell: one byte wakes it (a full or closed bell
@@ -345,3 +385,44 @@ class Ring:
             worker=self.name,
             reason=reason,
         )
+
+
+class AnyRing:
+    """The primitive of a wait on several rings for the first record in any of them:
+    shared-counter reads, no system call, then yields and growing sleeps (restarted
+    by each record found)."""
+
+    __slots__ = ("idle_since", "pause", "rings")
+
+    def __init__(self, rings: dict[int, Ring]) -> None:
+        self.rings = {key: ring._ring for key, ring in rings.items()}
+        self.idle_since: float | None = None
+        self.pause = ANY_FIRST_SLEEP
+
+    def ready(self) -> list[int]:
+        """Keys of the rings that hold a record now."""
+        pending = lib.gf_ring_pending
+        return [key for key, ring in self.rings.items() if pending(ring)]
+
+    def drop(self, key: int) -> None:
+        """Stop watching one ring."""
+        del self.rings[key]
+
+    def within(self, ns: int) -> list[int] | None:
+        """:meth:`ready`, waiting up to ``ns`` ns for one ring at least; None if none."""
+        end = time.monotonic() + ns / 1e9
+        while True:
+            ready = self.ready()
+            if ready:
+                self.idle_since, self.pause = None, ANY_FIRST_SLEEP
+                return ready
+            now = time.monotonic()
+            if now >= end:
+                return None
+            if self.idle_since is None:
+                self.idle_since = now
+            if now - self.idle_since < ANY_SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(min(self.pause, end - now))
+                self.pause = min(self.pause * 2, ANY_LAST_SLEEP)

@@ -5,18 +5,15 @@ times that vary, waiting for every sub-env (a synchronous step) leaves the fast 
 idle behind the slowest; here each sub-env runs on as soon as its result is taken.
 
 One sandbox per sub-env (so worker k is sub-env k). ``send`` puts each action inside its
-sub-env's request record; ``recv`` polls the rings of the sub-envs still running (a
-shared-counter read each, no system call), in finish order: rounds that find nothing
-yield the core for a while, then sleep a little longer each round; every liveness slice
-they check that the running sandboxes are alive.
+sub-env's request record; ``recv`` takes the replies in finish order, waiting with the
+pool's wait on all the sub-envs still running (WorkerPool.wait_any: the rings polled
+with a shared-counter read each, the liveness checks of every wait).
 A reset's result has reward 0 and no termination or truncation, as EnvPool's.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import os
-import time
 from collections import deque
 from typing import Any
 
@@ -29,13 +26,9 @@ from gym_fork.errors import BadActionError
 from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
 
-from .faults import LIVENESS_SLICE, Deadline, errors_exception
+from .faults import Deadline, WaitTimeout, errors_exception
 from .frontend import SENDING, AsyncFrontEnd, AsyncState, is_int
 from .spaces import empty_batch
-
-SPIN_S = 100e-6  # rounds of polls that find nothing yield the core for this long, then
-FIRST_SLEEP = 20e-6  # sleep this, then twice as long each round,
-LAST_SLEEP = 200e-6  # up to this: a result waits at most ~0.25 ms to be noticed
 
 
 class Batches:
@@ -117,49 +110,35 @@ def wait(env: Any, batches: Batches, timeout: float | None) -> None:
     own_deadline = timeout is None and own is not None
     deadline = Deadline(own if own_deadline else timeout)
     wanted = min(batches.batch_size, len(batches.running) + len(batches.done))
-    pause = FIRST_SLEEP
-    idle_since = None
-    next_liveness = time.perf_counter() + LIVENESS_SLICE
-    while len(batches.done) < wanted:
-        found = False
-        for index in list(batches.running):
-            worker = pool.workers[index]
-            if worker.channel.inbox.pending():
-                op = batches.running.pop(index)
-                _op, _seq, result, errors = pool.receive(worker, Deadline(None), op)
-                batches.done.append((index, op, result, errors or []))
-                found = True
-        if found or len(batches.done) >= wanted:
-            pause, idle_since = FIRST_SLEEP, None
-            continue
-        now = time.perf_counter()
-        if idle_since is None:
-            idle_since = now
-        if now >= next_liveness:
-            next_liveness = now + LIVENESS_SLICE
-            for index in list(batches.running):
-                worker = pool.workers[index]
-                if not worker.alive():
-                    op = batches.running.pop(index)
-                    # What it published before it died is taken; else its crash is raised.
-                    _op, _seq, result, errors = pool.receive(worker, Deadline(0), op)
-                    batches.done.append((index, op, result, errors or []))
-        if deadline.expired():
-            what = "recv"
-            if own_deadline:
-                op = next(iter(batches.running.values()), P.STEP)
-                error = pool.kill_unanswered(op, what, own)
-                batches.running.clear()
-                raise error
-            raise multiprocessing.TimeoutError(
-                f"The call to `{what}` has timed out after {timeout} second(s): "
-                f"sub-envs {sorted(batches.running)} are still running."
-            )
-        if now - idle_since < SPIN_S:
-            os.sched_yield()
-        else:
-            time.sleep(pause)
-            pause = min(pause * 2, LAST_SLEEP)
+
+    def take_ready(ready: list[int]) -> bool:
+        for index in ready:
+            op = batches.running.pop(index)
+            # Its reply is there, or it is dead: what it published before it died is
+            # taken, else its crash is raised.
+            try:
+                _op, _seq, result, errors = pool.receive(pool.workers[index], Deadline(0), op)
+            except WaitTimeout:  # only the late reply of an abandoned call: it runs on
+                batches.running[index] = op
+                continue
+            batches.done.append((index, op, result, errors or []))
+        return len(batches.done) >= wanted
+
+    if len(batches.done) >= wanted:
+        return
+    try:
+        pool.wait_any(batches.running, deadline, take_ready)
+    except WaitTimeout:
+        what = "recv"
+        if own_deadline:
+            op = next(iter(batches.running.values()), P.STEP)
+            error = pool.kill_unanswered(op, what, own)
+            batches.running.clear()
+            raise error from None
+        raise multiprocessing.TimeoutError(
+            f"The call to `{what}` has timed out after {timeout} second(s): "
+            f"sub-envs {sorted(batches.running)} are still running."
+        ) from None
 
 
 def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict]:

@@ -25,6 +25,7 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
+from gym_fork.transport.ring import SLICE
 
 # Every sub-env's traceback goes here at DEBUG; the user sees one line per distinct error.
 log = logging.getLogger("gym_fork.vector")
@@ -37,25 +38,28 @@ MAX_NOTED = 4
 # Lines of a dead sandbox's stderr quoted in SubEnvCrashed.
 STDERR_LINES = 10
 
-# How often a wait checks that the worker it waits on is still alive.
-LIVENESS_SLICE = 0.1
+# How often a wait checks that the worker it waits on is still alive: the ring's slice.
+LIVENESS_SLICE = SLICE
 
 
 class Deadline:
-    """A point in time a wait must not pass (None: no deadline), in liveness slices."""
+    """A point in time (``time.monotonic()``) a wait must not pass (None: no deadline)."""
+
+    __slots__ = ("end",)
 
     def __init__(self, timeout: float | None) -> None:
-        self.end = None if timeout is None else time.perf_counter() + timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
 
     def slice(self) -> float:
         """Seconds to wait before the next liveness check; 0 when past the deadline."""
         if self.end is None:
             return LIVENESS_SLICE
-        return max(0.0, min(LIVENESS_SLICE, self.end - time.perf_counter()))
+        return max(0.0, min(LIVENESS_SLICE, self.end - time.monotonic()))
 
-    def expired(self) -> bool:
-        """True once the deadline has passed."""
-        return self.end is not None and time.perf_counter() >= self.end
+    def left(self) -> float | None:
+        """Seconds to the deadline, 0 once past it (None: no deadline)."""
+        end = self.end
+        return None if end is None else max(0.0, end - time.monotonic())
 
 
 # A stopped sandbox (SIGSTOP from another sandbox of its tree: a stopped process passes

@@ -14,6 +14,7 @@ Concurrency: a pool is used from the controller's calling thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import Host, WorkerHandle
 from gym_fork.transport.codec import pack, pack_bare_request
+from gym_fork.transport.ring import AnyRing, wait
 from gym_fork.worker import protocol as P
 
 from .faults import (
@@ -71,6 +73,9 @@ class WorkerPool:
         self.send_timeout = send_timeout
         self._seq = 0
         self._held: list[tuple[WorkerHandle, bytes]] = []
+        self._watched: WorkerHandle | None = None  # the wait receive() is in: worker,
+        self._watched_op = 0  # op,
+        self._stall: Stall | None = None  # and its Stall (None: the first slice)
 
     # -- sending --------------------------------------------------------------------
     def behind(self) -> bool:
@@ -140,25 +145,19 @@ class WorkerPool:
 
         Raises WaitTimeout at the deadline, SubEnvCrashed when the worker dies, and
         TransportError (after killing it) when it sends what is not a valid reply.
-        A wait past its first slice also watches for the worker being stopped
-        (:meth:`_check_stopped`)."""
+        The wait is the ring's (gym_fork.transport.ring.wait), with this pool's
+        liveness check (:meth:`_watch`) between its slices."""
         inbox = worker.channel
-        stall = None  # a reply that comes within the first slice never makes one
+        # The check between slices is one bound method made once (no closure per
+        # reply on the hot path); it reads the wait's worker, op and Stall from here.
+        self._watched, self._watched_op, self._stall = worker, op, None
         while True:
             try:
-                reply = inbox.recv(deadline.slice(), alive=worker.alive)
+                reply = inbox.recv(deadline.left(), self._between)
             except PeerGone:  # died, possibly in the middle of a multi-part reply
                 raise self.crashed(worker, f"during {P.NAMES[op]}") from None
             except RingTimeout:
-                if not worker.alive():
-                    raise self.crashed(worker, f"during {P.NAMES[op]}") from None
-                if deadline.expired():
-                    raise WaitTimeout from None
-                if stall is None:
-                    stall = Stall()
-                elif stall.due():
-                    self._check_stopped(worker, stall, op)
-                continue
+                raise WaitTimeout from None
             except TransportError as exc:
                 worker.kill()
                 raise corrupted(worker, exc) from exc
@@ -187,6 +186,61 @@ class WorkerPool:
                 if inbox.refused and not inbox.allow_pickle:
                     raise self._refused(worker, op, inbox.refused)
                 return reply
+
+    def _between(self) -> bool:
+        """:meth:`receive`'s liveness check (the ``alive`` of its channel's wait)."""
+        worker = self._watched
+        assert worker is not None  # set by receive() before its wait
+        self._stall = self._watch(worker, self._watched_op, self._stall)
+        return self._stall is not None
+
+    def _watch(self, worker: WorkerHandle, op: int, stall: Stall | None) -> Stall | None:
+        """The liveness check between two slices of a wait for ``worker``'s ``op`` reply:
+        None once it is dead, else the wait's Stall (made at the first check: the first
+        slice has passed), which from then on watches for it being stopped
+        (:meth:`_check_stopped`: resumed and named, or killed)."""
+        if not worker.alive():
+            return None
+        if stall is None:
+            return Stall()
+        if stall.due():
+            self._check_stopped(worker, stall, op)
+        return stall
+
+    def wait_any(
+        self, ops: dict[int, int], deadline: Deadline, take: Callable[[list[int]], bool]
+    ) -> None:
+        """Until ``take(positions)`` returns True: it gets the positions (in ``workers``)
+        among ``ops`` (position -> the op it runs) whose worker has a reply there or is
+        found dead, and removes from ``ops`` those it took. WaitTimeout at ``deadline``.
+        The wait and its checks are :meth:`receive`'s, on all of them at once."""
+        rings = AnyRing({k: self.workers[k].channel.inbox for k in ops})
+        stalls: dict[int, Stall | None] = dict.fromkeys(ops)
+
+        def taken(ready: list[int]) -> bool | None:
+            done = take(ready)
+            for k in ready:
+                if k not in ops:
+                    rings.drop(k)
+            return done or None
+
+        def between() -> bool | None:
+            dead = []
+            for k, op in ops.items():
+                stalls[k] = self._watch(self.workers[k], op, stalls.get(k))
+                if stalls[k] is None:
+                    dead.append(k)
+            return taken(dead) if dead else None
+
+        def attempt(ns: int) -> bool | None:
+            ready = rings.within(ns)
+            return None if ready is None else taken(ready)
+
+        started = time.monotonic()  # its first check comes a slice from now
+        ready = rings.ready()
+        if (ready and taken(ready)) or wait(attempt, deadline.end, between, checked=started):
+            return
+        raise WaitTimeout
 
     def collect(self, op: int, timeout: float | None, *, building: bool = False) -> list[Any]:
         """Every worker's result for ``op``, in worker order; a sub-env's error is

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import time
+import types
 import zlib
 
 import pytest
@@ -11,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_fork.errors import RingTimeout, TransportError
+from gym_fork.transport import ring as ring_module
 from gym_fork.transport.region import Region
-from gym_fork.transport.ring import CONTROL_BYTES, Ring, ring_bytes
+from gym_fork.transport.ring import CONTROL_BYTES, SLICE, AnyRing, Ring, ring_bytes, wait
 
 
 def make_pair(capacity: int = 1024):
@@ -163,3 +166,36 @@ def test_two_processes_a_million_checksummed_records():
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     close(region, w, r)
+
+
+def test_the_one_wait_loop_checks_liveness_once_a_slice_and_ends_at_its_deadline(monkeypatch):
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(ring_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    checks, attempts = [], []
+
+    def attempt(ns):  # returns early, as a wait on several rings does once it took some
+        attempts.append(ns)
+        clock.now += 0.001
+        return None
+
+    assert wait(attempt, 100.25, lambda: checks.append(clock.now)) is None
+    assert clock.now >= 100.25 and 240 <= len(attempts) <= 251
+    assert max(attempts) == int(SLICE * 1e9) and min(attempts) < int(SLICE * 1e9)
+    # At once, then once a slice: not once per attempt.
+    assert [round(t - 100.0, 3) for t in checks] == [0.0, 0.1, 0.2]
+    assert wait(lambda ns: None, None, lambda: "dead") == "dead"  # the check ends it
+
+
+def test_any_ring_names_the_rings_holding_a_record_and_times_out_when_none_does():
+    first, w1, r1 = make_pair()
+    second, w2, r2 = make_pair()
+    rings = AnyRing({3: r1, 7: r2})
+    started = time.monotonic()
+    assert rings.within(int(0.02e9)) is None
+    assert time.monotonic() - started >= 0.02
+    w2.write(b"x")
+    assert rings.ready() == [7] and rings.within(int(1e9)) == [7]
+    rings.drop(7)
+    assert rings.ready() == []
+    close(first, w1, r1)
+    close(second, w2, r2)

@@ -152,3 +152,24 @@ def test_a_worker_found_dead_while_waiting_is_a_crash_with_its_status(workers):
         pool.receive(workers[0].handle, Deadline(None), P.STEP)
     assert time.perf_counter() - started < 1.0
     assert info.value.exitcode == -9
+
+
+def test_a_wait_on_several_workers_hands_over_each_with_a_reply_or_found_dead(workers):
+    pool = make_pool(workers)
+    pool.send_same(P.STEP, None)
+    requests = [w.request() for w in workers]
+    workers[2].reply(P.STEP, requests[2][1], "two")
+    workers[0].alive.clear()
+    ops = dict.fromkeys(range(3), P.STEP)
+    handed = []
+
+    def take(ready):
+        handed.append(ready)
+        for k in ready:
+            del ops[k]
+        return False  # wants worker 1 too, which never answers
+
+    with pytest.raises(WaitTimeout):
+        pool.wait_any(ops, Deadline(0.3), take)
+    assert handed == [[2], [0]]  # the reply there at once, then the dead one
+    assert list(ops) == [1]
