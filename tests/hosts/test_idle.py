@@ -13,6 +13,7 @@ import pytest
 
 from gym_fork.hosts.process import idle
 from gym_fork.hosts.process import messages as M
+from gym_fork.system.children import kill_child
 
 pytestmark = pytest.mark.process_only
 SPEC = M.SandboxSpec("w0", [0], [0], 4096)
@@ -47,7 +48,7 @@ def pool():
     yield made
     made.close()
     for pid in forked:  # only the children this test made
-        idle._kill(pid)
+        kill_child(pid)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
     os.close(REPORT_R)
@@ -119,7 +120,7 @@ def test_no_usable_idle_sandbox_means_a_fresh_fork(pool):
 def test_a_reaped_idle_sandbox_leaves_the_pool(pool):
     pool.requests = 2
     gone, kept = pool.fill()
-    idle._kill(gone)
+    kill_child(gone)
     reap(gone)
     pool.forget(gone)
     assert made_pids(pool) == {kept}

@@ -16,16 +16,14 @@ its pidfd of the controller and the other idle sandboxes' sockets before isolati
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gym_fork.errors import ControlMessageError
 from gym_fork.hosts.process import messages as M
+from gym_fork.system.children import child_state, fork, kill_child
 
 DEFAULT_SIZE = 2
 
@@ -76,9 +74,7 @@ class IdlePool:
         new = []
         while self.requests >= 2 and len(self.waiting) < self.size:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
+            pid = fork()
             if pid == 0:
                 ours.close()
                 self.become(theirs, [i.sock.fileno() for i in self.waiting])
@@ -99,16 +95,16 @@ class IdlePool:
         while self.waiting:
             idle = self.waiting.pop(0)
             try:
-                state = _state(idle.pid)
+                state = child_state(idle.pid)
                 if state in _UNUSABLE:
                     if state in ("T", "t"):
                         self.discarded.append([idle.pid, state])
-                    _kill(idle.pid)
+                    kill_child(idle.pid)
                     continue
                 M.send(idle.sock, assignment, fds)
                 return idle.pid
             except OSError:
-                _kill(idle.pid)
+                kill_child(idle.pid)
             finally:
                 idle.sock.close()
         return 0
@@ -125,40 +121,9 @@ class IdlePool:
 
 
 # States of an idle sandbox that must not be handed a spec: stopped (by a signal, or in
-# a tracing stop), a zombie, dead.
+# a tracing stop, or with a stop signal pending), a zombie, dead. An unreadable state
+# (reaped) is used: a send to it fails.
 _UNUSABLE = ("T", "t", "Z", "X", "x")
-
-
-# SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU: a stop signal sent but not yet acted on (the
-# target has not run since) is pending; it would stop the sandbox right after its spec.
-_STOP_SIGNALS = sum(1 << (sig - 1) for sig in (19, 20, 21, 22))
-
-
-def _state(pid: int) -> str:
-    """The state letter of our child ``pid`` (``/proc/<pid>/status``), ``"T"`` also
-    while a stop signal is pending for it, ``""`` when unreadable (then it is used: a
-    dead one has been reaped, and a send to it fails)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            status = f.read()
-    except OSError:
-        return ""
-    state, pending = "", 0
-    for line in status.splitlines():
-        key, _, value = line.partition(b":")
-        if key == b"State":
-            state = value.strip()[:1].decode("ascii", "replace")
-        elif key in (b"SigPnd", b"ShdPnd"):
-            with contextlib.suppress(ValueError):
-                pending |= int(value.strip(), 16)
-    if state and state not in _UNUSABLE and pending & _STOP_SIGNALS:
-        return "T"
-    return state
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)  # not reaped yet: still ours
 
 
 def await_assignment(sock: socket.socket) -> tuple[M.Assign, list[int]]:

@@ -29,14 +29,14 @@ import importlib.abc
 import importlib.util
 import os
 import re
-import select
-import signal
 import stat
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from gym_fork.system.children import fork, kill_child, read_until_closed
 
 MAX_REPORT_BYTES = 4 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -71,25 +71,21 @@ def preimport(
     # behind time.time()), and a file written just after the build began must not pass.
     since = time.time() - 0.05
     read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         os.close(read_end)
         _child(build, enter_sandbox, close_in_child, write_end)
     os.close(write_end)
     try:
-        report = _read_report(read_end, time.monotonic() + timeout)
+        report = read_until_closed(read_end, MAX_REPORT_BYTES, time.monotonic() + timeout)
     finally:
         os.close(read_end)
-        # Not reaped yet (so the pid cannot be anyone else's): kill, then reap.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        kill_child(pid)  # then reap it
         _, status = os.waitpid(pid, 0)
         cleanup(pid)
     if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0 or not report:
         return None  # it failed or was too slow: the sandboxes import on their own
-    return _import_all(report, since), since
+    return import_all(report.decode("utf-8", "replace").split("\n"), since), since
 
 
 def _child(build, enter_sandbox, close_in_child: list[int], write_end: int) -> None:
@@ -116,22 +112,6 @@ def _child(build, enter_sandbox, close_in_child: list[int], write_end: int) -> N
         code = 1
     finally:
         os._exit(code)
-
-
-def _read_report(fd: int, deadline: float) -> bytes:
-    """What the child wrote, until it closes its end, the size bound or the deadline."""
-    chunks: list[bytes] = []
-    size = 0
-    while size <= MAX_REPORT_BYTES:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return b""  # too slow: not worth the wait
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def fork_unsafe() -> str | None:
@@ -270,7 +250,3 @@ def _installed(path: str) -> bool:
         if root and root != ours and real.startswith(root + os.sep):
             return True
     return False
-
-
-def _import_all(report: bytes, since: float) -> list[str]:
-    return import_all(report.decode("utf-8", "replace").split("\n"), since)
