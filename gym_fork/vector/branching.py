@@ -20,7 +20,7 @@ from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
 
 from .frontend import ForkPlan
 from .lifecycle import Sandboxes
-from .spaces import VectorSpaces
+from .opening import Opened
 
 
 def check_forkable(workers: list[WorkerHandle], pool) -> None:
@@ -41,39 +41,36 @@ def check_forkable(workers: list[WorkerHandle], pool) -> None:
             )
 
 
-def clone_sandboxes(
-    source: Sandboxes,
-    source_spaces: VectorSpaces,
-    source_observations: Any,
-    plan: ForkPlan,
-    obs_in_slab: bool,
-    observation_mode: Any,
-) -> tuple[Sandboxes, VectorSpaces, Any, float]:
-    """The sandboxes, spaces and first observations of a branch; and the seconds the
-    clones took."""
-    involved = [w for w in source.pool.workers if any(i in w.indices for i in plan.indices)]
-    check_forkable(involved, source.pool)
+def clone_sandboxes(source: Opened, plan: ForkPlan) -> tuple[Opened, float]:
+    """A branch's sandboxes, spaces and first observations (its metadata and render mode
+    are its source's); and the seconds the clones took."""
+    sandboxes = source.sandboxes
+    involved = [w for w in sandboxes.pool.workers if any(i in w.indices for i in plan.indices)]
+    check_forkable(involved, sandboxes.pool)
     started = time.perf_counter()
-    config = source.config.for_branch(plan.sources)
-    spaces = source_spaces.for_branch(observation_mode, plan.sources)
-    if source.host is None or source.slabs is None:
+    config = sandboxes.config.for_branch(plan.sources)
+    spaces = source.spaces.for_branch(config.observation_mode, plan.sources)
+    if sandboxes.host is None or sandboxes.slabs is None:
         raise ValueError("fork: the source vector env is closed")
-    branch = Sandboxes(config, source.host.acquire())
+    branch = Sandboxes(config, sandboxes.host.acquire())
     try:
-        branch.open_slabs(spaces, obs_in_slab, counts=[1] * config.num_envs)
-        observations = _copy_rows(source, source_spaces, source_observations, branch, plan)
-        branch.attach_arg = dict(source.attach_arg or {}, num_envs=config.num_envs)
+        branch.open_slabs(spaces, source.obs_in_slab, counts=[1] * config.num_envs)
+        observations = _copy_rows(sandboxes, source.spaces, source.observations, branch, plan)
+        branch.attach_arg = dict(sandboxes.attach_arg or {}, num_envs=config.num_envs)
         with progress.task(
             f"fork {plan.branch_id!r}: {config.num_envs} clones",
             quiet=config.num_envs < 32,
             delay=0.5,
         ):
-            branch.pool.workers = _fork_workers(source, branch, plan)
+            branch.pool.workers = _fork_workers(sandboxes, branch, plan)
             branch.receive_hellos(branch.pool.workers)
     except BaseException:
         branch.teardown(terminate=True)
         raise
-    return branch, spaces, observations, time.perf_counter() - started
+    opened = Opened(
+        branch, spaces, source.metadata, source.render_mode, source.obs_in_slab, observations
+    )
+    return opened, time.perf_counter() - started
 
 
 def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):

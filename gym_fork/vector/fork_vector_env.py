@@ -34,10 +34,13 @@ from .config import VectorConfig, auto_envs_per_worker, check_parent_count, chec
 from .faults import WaitTimeout
 from .frontend import AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
-from .opening import open_root
+from .opening import Opened, open_root
 from .spaces import ActionWriter, VectorSpaces
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
+
+# The constructor's arguments that are not VectorConfig fields (the lineage's, the recipe).
+_NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
 
 
 def _option(name: str) -> property:
@@ -48,55 +51,13 @@ def _option(name: str) -> property:
 class ForkVectorEnv(BatchMode, VectorEnv):
     """Vectorized environment whose sub-envs run in forked, warm sandboxes.
 
-    A drop-in :class:`gymnasium.vector.AsyncVectorEnv`: its arguments, attributes and
-    behaviour, with the deliberate differences of docs/compatibility.md (a failing
-    sub-env does not break the env; late replies after a ``*_wait`` timeout are dropped).
-    The options are read-only attributes of the same name (``envs.copy``,
-    ``envs.timeout``, ...), all held by the frozen ``envs.config``.
-
-    Args:
-        env_fns: one function per sub-env that builds it (cloudpickled to the sandboxes).
-        shared_memory: observations travel in shared memory (the slab), as Async.
-        copy: ``reset``/``step`` return a copy of the observations, as Async.
-        context: accepted for Async's signature; no effect (sandboxes are forked).
-        daemon: accepted for Async's signature; sandboxes always die with the controller.
-        worker: not supported (a pipe-based worker cannot run over the rings): ValueError.
-        observation_mode: ``"same"``, ``"different"`` or ``(batch, single)`` spaces.
-        autoreset_mode: Gymnasium's autoreset mode (all three are supported).
-        max_concurrency: at most this many sub-envs run ``reset``/``step`` at once.
-
-    Keyword Args:
-        envs_per_worker: sub-envs per sandbox: ``"auto"`` (one per sub-env up to the core
-            count, then spread over one per core) or an int; fixed for the env's life
-            (:func:`gym_fork.autotune` recommends one).
-        batch_size: EnvPool's batch mode: :meth:`async_reset`, :meth:`send` and
-            :meth:`recv` (the first ``batch_size`` sub-envs that finished), next to
-            ``step``; one sandbox per sub-env.
-        ring_bytes: capacity of each direction of a worker's ring (a power of two).
-        check_actions: refuse actions outside the action space before sending them.
-        reset_mode: ``"in_place"``, or ``"clone"``: each reset starts from a fresh clone
-            of the warm parent (docs/branching.md).
-        branch_id: this env's id in its lineage tree (default: a new one).
-        lineage_log: JSONL file of the lineage events (True: the default path; None or
-            False: none).
-        network: give sandboxes the host's network (default: an empty namespace).
-        limits: :class:`SandboxLimits` (memory, CPU seconds, open files, processes).
-        namespaces: isolate sandboxes with Linux namespaces where the host allows it.
-        private_tmp: a private writable /tmp and empty /dev/shm per sandbox (default
-            True; docs/reliability.md).
-        writable_paths: host directories sandboxes may write; the rest is read-only.
-        tmpfs_bytes: size of each private tmpfs layer (default 1 GiB or the memory limit).
-        timeout: seconds any call may take (construction included); past it the
-            sandboxes that did not answer are killed (:class:`SubEnvTimeout`).
-        gpu_fork_policy: a warm parent holding CUDA: ``"refuse"`` (ForkUnsafeError) or
-            ``"clean"`` (each sandbox built cold; docs/gpu.md).
-        host: ``"process"`` (default, or ``$GYM_FORK_HOST``), ``"microvm"``
-            (docs/microvm.md) or ``"inline"`` (a thread, no isolation: for debugging).
-        trusted: may the controller unpickle what sandboxes send (default False, or
-            ``$GYM_FORK_TRUSTED``)? Untrusted, errors arrive as ``SubEnvError``
-            (docs/compatibility.md).
-        vm_memory_mb: guest RAM of each microVM (default 256).
-        vm_slab_mb: the batch slab each microVM maps (default 16; a power of two).
+    A drop-in :class:`gymnasium.vector.AsyncVectorEnv`: its arguments (then gym_fork's
+    own, keyword-only), attributes and behaviour, with the deliberate differences of
+    docs/compatibility.md (a failing sub-env does not break the env; late replies after a
+    ``*_wait`` timeout are dropped). Each argument and its default: the API reference's
+    parameter table (docs/guides/api.md, "ForkVectorEnv parameters"). Every option is a
+    read-only attribute of the same name (``envs.timeout``), held by the frozen
+    ``envs.config``.
     """
 
     config: VectorConfig
@@ -162,81 +123,43 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         vm_slab_mb: int = 16,
         _prepare: PrepareRecipe | None = None,
     ) -> None:
-        config = VectorConfig.from_arguments(
-            env_fns,
-            shared_memory=shared_memory,
-            copy=copy,
-            context=context,
-            daemon=daemon,
-            worker=worker,
-            observation_mode=observation_mode,
-            autoreset_mode=autoreset_mode,
-            max_concurrency=max_concurrency,
-            envs_per_worker=envs_per_worker,
-            batch_size=batch_size,
-            ring_bytes=ring_bytes,
-            check_actions=check_actions,
-            reset_mode=reset_mode,
-            network=network,
-            limits=limits,
-            namespaces=namespaces,
-            private_tmp=private_tmp,
-            writable_paths=writable_paths,
-            tmpfs_bytes=tmpfs_bytes,
-            timeout=timeout,
-            gpu_fork_policy=gpu_fork_policy,
-            host=host,
-            trusted=trusted,
-            vm_memory_mb=vm_memory_mb,
-            vm_slab_mb=vm_slab_mb,
-            prepare=_prepare,
-        )
+        # Every argument but the lineage's goes to the config as it came (one list of
+        # options: the signature); from_arguments checks each and refuses unknown ones.
+        given = dict(locals())
+        options = {name: value for name, value in given.items() if name not in _NOT_OPTIONS}
+        config = VectorConfig.from_arguments(**options, prepare=_prepare)
         opened = open_root(config)
-        sandboxes = opened.sandboxes
         self._open(
-            sandboxes,
-            opened.spaces,
-            opened.metadata,
-            opened.render_mode,
-            opened.obs_in_slab,
-            opened.observations,
+            opened,
             lambda env: provenance.start_root_lineage(
                 config,
                 branch_id=branch_id,
                 lineage_log=lineage_log,
                 env_ids=opened.env_ids,
                 isolation=env.isolation,
-                timings=sandboxes.timings,
-                workers=sandboxes.pool.workers,
+                timings=opened.sandboxes.timings,
+                workers=opened.sandboxes.pool.workers,
             ),
         )
         provenance.warn_missing_isolation(config, self.isolation)
 
-    def _open(
-        self,
-        sandboxes: Sandboxes,
-        spaces: VectorSpaces,
-        metadata: dict[str, Any],
-        render_mode: str | None,
-        obs_in_slab: bool,
-        observations: Any,
-        record: Callable[[ForkVectorEnv], Lineage],
-    ) -> None:
+    def _open(self, opened: Opened, record: Callable[[ForkVectorEnv], Lineage]) -> None:
         """The one constructor of roots and branches: adopt started sandboxes, then
         record the env in its lineage tree (``record``); torn down if that fails."""
+        sandboxes, spaces = opened.sandboxes, opened.spaces
         self.config = sandboxes.config
         self.sandboxes = sandboxes
         self._state = AsyncState.DEFAULT
         self.closed = False
-        self.metadata = metadata
-        self.render_mode = render_mode
+        self.metadata = opened.metadata
+        self.render_mode = opened.render_mode
         self.spaces = spaces
         self.single_observation_space = spaces.single_observation_space
         self.observation_space = spaces.observation_space
         self.single_action_space = spaces.single_action_space
         self.action_space = spaces.action_space
-        self._obs_in_slab = obs_in_slab
-        self.observations = observations
+        self._obs_in_slab = opened.obs_in_slab
+        self.observations = opened.observations
         self._actions = ActionWriter(spaces, sandboxes.slab_set(), self.config.check_actions)
         self._batches = Batches(self.config.batch_size) if self.config.batch_size else None
         self._lineage = None
@@ -353,18 +276,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         """Wait for the resets sent by :meth:`reset_async` and return (obs, infos)."""
         if self._state is not AsyncState.WAITING_RESET:
             self._not_waiting(AsyncState.WAITING_RESET)
-        replies = self._collect(timeout, P.RESET, "reset_wait")
-        infos: dict[str, Any] = {}
-        observations: list[Any] | None = [] if not self._obs_in_slab else None
-        for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
-            for k, index in enumerate(worker.indices):
-                infos = self._add_info(infos, info_list[k], index)
-                if observations is not None:
-                    observations.append(obs_list[k])
-        if observations is not None:
-            self.observations = concatenate(
-                self.single_observation_space, observations, self.observations
-            )
+        infos = self._gather(self._collect(timeout, P.RESET, "reset_wait"))
         return self._observations_out(), infos
 
     # -- step -----------------------------------------------------------------------
@@ -395,28 +307,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         """Wait for the steps sent by :meth:`step_async` and return their batched results."""
         if self._state is not AsyncState.WAITING_STEP:
             self._not_waiting(AsyncState.WAITING_STEP)
-        replies = self._collect(timeout, P.STEP, "step_wait")
-        infos: dict[str, Any] = {}
-        if self._obs_in_slab:
-            # The hot path: every result is in the slabs; a worker's reply carries only
-            # its infos, and only when one of its sub-envs returned a non-empty one.
-            for worker, reply in zip(self.sandboxes.pool.workers, replies, strict=True):
-                info_list = reply[1]
-                if info_list is not None:
-                    for k, index in enumerate(worker.indices):
-                        infos = self._add_info(infos, info_list[k], index)
-        else:
-            observations = []
-            for worker, (obs_list, info_list) in zip(
-                self.sandboxes.pool.workers, replies, strict=True
-            ):
-                if info_list is not None:
-                    for k, index in enumerate(worker.indices):
-                        infos = self._add_info(infos, info_list[k], index)
-                observations.extend(obs_list)
-            self.observations = concatenate(
-                self.single_observation_space, observations, self.observations
-            )
+        infos = self._gather(self._collect(timeout, P.STEP, "step_wait"))
         rewards, terminations, truncations = self.sandboxes.slab_set().step_columns()
         observations = self._observations_out()
         return observations, rewards, terminations, truncations, infos
@@ -475,22 +366,18 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         and outlive their source. ``branch_id`` must be new in this lineage tree.
         """
         plan = self._plan_fork(branch_id, indices, copies, reseed, held=live_sandboxes())
-        sandboxes, spaces, observations, elapsed = clone_sandboxes(
+        source = Opened(
             self.sandboxes,
             self.spaces,
-            self.observations,
-            plan,
-            self._obs_in_slab,
-            self.config.observation_mode,
-        )
-        branch = ForkVectorEnv.__new__(ForkVectorEnv)
-        branch._open(
-            sandboxes,
-            spaces,
             self.metadata,
             self.render_mode,
             self._obs_in_slab,
-            observations,
+            self.observations,
+        )
+        opened, elapsed = clone_sandboxes(source, plan)
+        branch = ForkVectorEnv.__new__(ForkVectorEnv)
+        branch._open(
+            opened,
             lambda env: provenance.add_branch(
                 self.lineage,
                 plan.branch_id,
@@ -499,7 +386,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
                 seeds=plan.seeds,
                 elapsed=elapsed,
                 isolation=env.isolation,
-                workers=sandboxes.pool.workers,
+                workers=opened.sandboxes.pool.workers,
             ),
         )
         provenance.warn_branch_lost_isolation(self.isolation, branch.isolation, plan.branch_id)
@@ -551,15 +438,31 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         finally:
             self._state = AsyncState.DEFAULT
 
+    def _gather(self, replies: list[Any]) -> dict[str, Any]:
+        """The infos of the workers' ``[observations, infos]`` replies to a reset or a
+        step, merged in sub-env order (a worker whose sub-envs all returned empty ones
+        sends None); observations that came in the replies, not the slab, are batched
+        into ``self.observations``."""
+        infos: dict[str, Any] = {}
+        observations: list[Any] = []
+        for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
+            if info_list is not None:
+                for k, index in enumerate(worker.indices):
+                    infos = self._add_info(infos, info_list[k], index)
+            if not self._obs_in_slab:
+                observations.extend(obs_list)
+        if not self._obs_in_slab:
+            self.observations = concatenate(
+                self.single_observation_space, observations, self.observations
+            )
+        return infos
+
     def _observations_out(self) -> Any:
         if self._obs_in_slab:
             # Gathered from the workers' slabs: a new batch (copy=True), or into the
             # vector env's own buffer (copy=False, as AsyncVectorEnv's shared view).
-            slabs = self.sandboxes.slab_set()
-            if self.config.copy:
-                self.observations = slabs.observations()
-                return self.observations
-            self.observations = slabs.observations(out=self.observations)
+            out = None if self.config.copy else self.observations
+            self.observations = self.sandboxes.slab_set().observations(out=out)
             return self.observations
         if not self.config.copy:
             return self.observations

@@ -7,7 +7,7 @@ observations travel in the slab, and an observation buffer of the batch's shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from .spaces import VectorSpaces, check_attached
 
 @dataclass
 class Opened:
-    """A started root: what ``ForkVectorEnv._open`` adopts."""
+    """Started sandboxes, a root's or a branch's: what ``ForkVectorEnv._open`` adopts."""
 
     sandboxes: Sandboxes
     spaces: VectorSpaces
@@ -32,7 +32,7 @@ class Opened:
     render_mode: str | None
     obs_in_slab: bool
     observations: Any
-    env_ids: list[Any]
+    env_ids: list[Any] = field(default_factory=list)  # a root's: what each HELLO named
 
 
 def open_root(config: VectorConfig) -> Opened:

@@ -1,7 +1,12 @@
 """VectorConfig.from_arguments without sandboxes: every bad argument is named, the
-defaults are ForkVectorEnv's, and the derived fields (milliseconds)."""
+defaults are ForkVectorEnv's, the derived fields, ForkVectorEnv's options as read-only
+attributes and the API reference's parameter table (milliseconds)."""
 
 from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
@@ -9,6 +14,7 @@ from gymnasium.vector import AutoresetMode
 
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.vector.config import VectorConfig, check_env_fns, check_parent_count
+from gym_fork.vector.fork_vector_env import _NOT_OPTIONS, ForkVectorEnv
 
 
 def cartpole():
@@ -131,3 +137,39 @@ def test_from_parent_count():
             check_parent_count(bad, {})
     with pytest.raises(ValueError, match="envs_per_worker=1"):
         check_parent_count(2, {"envs_per_worker": 2})
+
+
+def _constructor_parameters() -> dict[str, inspect.Parameter]:
+    parameters = dict(inspect.signature(ForkVectorEnv.__init__).parameters)
+    del parameters["self"]
+    return parameters
+
+
+def test_the_constructor_forwards_every_option_with_the_configs_defaults(monkeypatch):
+    monkeypatch.delenv("GYM_FORK_HOST", raising=False)
+    monkeypatch.delenv("GYM_FORK_TRUSTED", raising=False)
+    options = {
+        name: parameter.default
+        for name, parameter in _constructor_parameters().items()
+        if name not in _NOT_OPTIONS and parameter.default is not inspect.Parameter.empty
+    }
+    assert {"batch_size", "timeout", "writable_paths", "vm_slab_mb"} <= set(options)
+    assert VectorConfig.from_arguments(FNS, **options) == VectorConfig.from_arguments(FNS)
+
+
+def test_every_option_is_a_read_only_attribute_over_the_config():
+    envs = ForkVectorEnv.__new__(ForkVectorEnv)  # no sandboxes: only the attributes
+    envs.config = VectorConfig.from_arguments(FNS, timeout=3.0, batch_size=2, host="inline")
+    assert (envs.timeout, envs.batch_size, envs.num_envs, envs.worker) == (3.0, 2, 4, None)
+    assert envs.env_fns == tuple(FNS) and envs.autoreset_mode is AutoresetMode.NEXT_STEP
+    for name in ("timeout", "copy", "num_envs", "reset_mode"):
+        with pytest.raises(AttributeError):
+            setattr(envs, name, None)
+
+
+def test_the_api_references_parameter_table_names_every_constructor_argument():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "api.md").read_text()
+    section = page.split("### ForkVectorEnv parameters", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
+    public = [name for name in _constructor_parameters() if not name.startswith("_")]
+    assert rows == public  # each once, in the signature's order
