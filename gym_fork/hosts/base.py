@@ -14,10 +14,12 @@ of the warm parent between a vector env and its branches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, Self
@@ -356,6 +358,64 @@ class SharedByBranches:
 
     def close(self) -> None:  # pragma: no cover - every host defines it
         raise NotImplementedError
+
+
+def spawn_in_batches(
+    specs: Sequence[WorkerSpec],
+    slab_fds: Sequence[int],
+    batch: int,
+    make: Callable[[list[WorkerSpec], list[int]], list[WorkerHandle]],
+) -> list[WorkerHandle]:
+    """``make(specs, slab_fds)`` per ``batch`` specs (what one request can carry); if a
+    batch fails, the sandboxes of the earlier ones are killed and released."""
+    handles: list[WorkerHandle] = []
+    try:
+        for start in range(0, len(specs), batch):
+            end = start + batch
+            handles += make(list(specs[start:end]), list(slab_fds[start:end]))
+    except BaseException:
+        release_all(handles)
+        raise
+    return handles
+
+
+# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders``
+# now; the function it returns waits for the answer and makes their handles.
+StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Callable[[], list[WorkerHandle]]]
+
+
+def fork_overlapped(
+    jobs: Sequence[ForkJob], batch: int, start: StartFork
+) -> list[list[WorkerHandle]]:
+    """The clones of each job, ``batch`` orders per request, every source asked before
+    any answer is awaited so that the sources fork at once (hosts whose clones can
+    overlap). A source takes one request at a time: its next batch is asked for once the
+    last one is answered. If one fails, every answer already asked for is still taken (a
+    source must not be left with a stale one) and every clone made is released."""
+    batches = [list(range(0, len(job.orders), batch)) for job in jobs]
+    pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
+    made: list[list[WorkerHandle]] = [[] for _ in jobs]
+
+    def start_next(k: int) -> None:
+        if batches[k]:
+            first = batches[k].pop(0)
+            job, last = jobs[k], first + batch
+            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+
+    try:
+        for k in range(len(jobs)):
+            start_next(k)
+        while pending:
+            k, finish = pending.popleft()
+            made[k] += finish()
+            start_next(k)
+    except BaseException:
+        for k, finish in pending:  # asked for: take the answers, then release them
+            with contextlib.suppress(Exception):
+                made[k] += finish()
+        release_all(h for handles in made for h in handles)
+        raise
+    return made
 
 
 def release_all(handles: Iterable[WorkerHandle]) -> None:

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +26,10 @@ from gym_fork.hosts.base import (
     SharedByBranches,
     WorkerHandle,
     WorkerSpec,
+    fork_overlapped,
     init_message,
     raise_prepare_failure,
-    release_all,
+    spawn_in_batches,
 )
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
@@ -104,20 +104,6 @@ class SandboxEnds:
             output=self.output,
             host_data=SandboxLink(self.ours, local_pid),
         )
-
-
-def _in_batches(items: Sequence[Any], slab_fds: Sequence[int], make) -> list[WorkerHandle]:
-    """``make(batch, fds)`` per SPAWN_BATCH items (the fd limit of one message); if a
-    batch fails, the sandboxes of the earlier ones are killed and released."""
-    handles: list[WorkerHandle] = []
-    try:
-        for start in range(0, len(items), SPAWN_BATCH):
-            end = start + SPAWN_BATCH
-            handles += make(list(items[start:end]), list(slab_fds[start:end]))
-    except BaseException:
-        release_all(handles)
-        raise
-    return handles
 
 
 def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
@@ -276,9 +262,10 @@ class ProcessHost(SharedByBranches):
         at once, for replacements whose spaces the controller already knows.
         """
         return self._register(
-            _in_batches(
+            spawn_in_batches(
                 specs,
                 slab_fds,
+                SPAWN_BATCH,
                 lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach),
             )
         )
@@ -352,38 +339,13 @@ class ProcessHost(SharedByBranches):
     ) -> list[list[WorkerHandle]]:
         """Every source gets its clones' channels, sockets and output pipes on its side
         socket and its FORK request (SPAWN_BATCH clones per request) before any answer
-        is awaited, so that the sources fork at once. If one fails, every answer already
-        asked for is still taken (a source's side socket must not keep a stale one) and
-        every clone made is released."""
-        # A source takes one request at a time (its reply and side-socket answer are
-        # matched in order): its next batch is asked for once the last one is answered.
-        batches = [list(range(0, len(job.orders), SPAWN_BATCH)) for job in jobs]
-        pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
-        made: list[list[WorkerHandle]] = [[] for _ in jobs]
-
-        def start_next(k: int) -> None:
-            if batches[k]:
-                first = batches[k].pop(0)
-                job, last = jobs[k], first + SPAWN_BATCH
-                finish = self._start_fork(
-                    job, job.orders[first:last], job.slab_fds[first:last], num_envs,
-                    ring_capacity,
-                )  # fmt: skip
-                pending.append((k, finish))
-
-        try:
-            for k in range(len(jobs)):
-                start_next(k)
-            while pending:
-                k, finish = pending.popleft()
-                made[k] += finish()
-                start_next(k)
-        except BaseException:
-            for k, finish in pending:  # asked for: take the answers, then release them
-                with contextlib.suppress(Exception):
-                    made[k] += finish()
-            release_all(h for handles in made for h in handles)
-            raise
+        is awaited, so that the sources fork at once (gym_fork.hosts.base.fork_overlapped:
+        a source's reply and side-socket answer are matched in order)."""
+        made = fork_overlapped(
+            jobs,
+            SPAWN_BATCH,
+            lambda job, orders, fds: self._start_fork(job, orders, fds, num_envs, ring_capacity),
+        )
         for handles in made:
             self._register(handles)
         return made

@@ -1,0 +1,87 @@
+"""Batches of clones (gym_fork/hosts/base.py): fork_overlapped asks every source before
+it awaits any answer, one request per source at a time, and on a failure still takes
+every answer asked for and releases every clone made; spawn_in_batches releases the
+earlier batches when one fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from gym_fork.hosts.base import ForkJob, fork_overlapped, spawn_in_batches
+
+
+class Clone:
+    """A stand-in for a WorkerHandle: release_all kills and releases it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.released = False
+
+    def kill(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.released = True
+
+
+def job(source: str, clones: int) -> ForkJob:
+    return ForkJob(source, list(range(clones)), list(range(clones)), None)
+
+
+def test_every_source_is_asked_before_any_answer_is_awaited():
+    events = []
+
+    def start(job, orders, slab_fds):
+        events.append(f"ask {job.source} {orders}")
+
+        def finish():
+            events.append(f"answer {job.source} {orders}")
+            return [Clone(f"{job.source}{o}") for o in orders]
+
+        return finish
+
+    made = fork_overlapped([job("a", 3), job("b", 1)], 2, start)
+    assert [[c.name for c in clones] for clones in made] == [["a0", "a1", "a2"], ["b0"]]
+    assert events == [
+        "ask a [0, 1]",
+        "ask b [0]",
+        "answer a [0, 1]",
+        "ask a [2]",  # its next batch once the last one is answered
+        "answer b [0]",
+        "answer a [2]",
+    ]
+
+
+def test_a_failure_takes_every_answer_asked_for_and_releases_every_clone():
+    made = []
+
+    def start(job, orders, slab_fds):
+        def finish():
+            if job.source == "a":
+                raise OSError("a failed")
+            clones = [Clone(f"{job.source}{o}") for o in orders]
+            made.extend(clones)
+            return clones
+
+        return finish
+
+    with pytest.raises(OSError, match="a failed"):
+        fork_overlapped([job("a", 1), job("b", 2)], 1, start)
+    assert [c.name for c in made] == ["b0"]  # b's answer was asked for: taken
+    assert all(c.released for c in made)
+
+
+def test_spawn_in_batches_releases_the_earlier_batches_when_one_fails():
+    made = []
+
+    def make(specs, slab_fds):
+        if specs == [4]:
+            raise OSError("full")
+        clones = [Clone(str(s)) for s in specs]
+        made.extend(clones)
+        return clones
+
+    assert [c.name for c in spawn_in_batches([0, 1, 2], [0, 1, 2], 2, make)] == ["0", "1", "2"]
+    with pytest.raises(OSError, match="full"):
+        spawn_in_batches([3, 4], [3, 4], 1, make)
+    assert [(c.name, c.released) for c in made[3:]] == [("3", True)]
