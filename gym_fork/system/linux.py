@@ -8,7 +8,10 @@ import errno
 import os
 import select
 import signal
+import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -157,3 +160,82 @@ def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
         end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
         yield start, end
         position = end
+
+
+# -- fork() with the child born a sibling (CLONE_PARENT) ---------------------------------
+
+CLONE_PARENT = 0x00008000
+CLONE_CHILD_SETTID = 0x01000000
+# clone(2)'s number and where its child_tid argument goes (after tls on arm64).
+_CLONE = {"x86_64": (56, 3), "aarch64": (220, 4)}
+# Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
+# holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
+_GLIBC_TID_OFFSET = 0x2D0
+
+
+def _sibling_clone() -> tuple[Any, int, int, int | None] | None:
+    """(raw syscall with the GIL held, clone's number, child_tid's argument slot and
+    address) where this process can fork a sibling; None where it cannot."""
+    import platform
+
+    machine = platform.machine()
+    if machine not in _CLONE or os.uname().sysname != "Linux":
+        return None
+    number, slot = _CLONE[machine]
+    try:
+        libc = ctypes.PyDLL(None, use_errno=True)  # GIL held: the child is Python's
+        syscall = libc.syscall
+        syscall.restype = ctypes.c_long
+        libc.pthread_self.restype = ctypes.c_void_p
+        self_ptr = libc.pthread_self()
+    except (OSError, AttributeError):
+        return None
+    tid_at: int | None = None
+    if machine == "x86_64" and self_ptr:
+        address = self_ptr + _GLIBC_TID_OFFSET
+        if ctypes.c_int.from_address(address).value == threading.get_native_id():
+            tid_at = address
+    return syscall, number, slot, tid_at
+
+
+def fork_sibling() -> int:
+    """Like ``os.fork()``, but the child is born a child of our parent (clone(2) with
+    CLONE_PARENT), not of us: no intermediate process that forks it and exits so that
+    it is orphaned and adopted. Python's fork hooks run as for ``os.fork()``
+    (PyOS_BeforeFork, PyOS_AfterFork_Child/Parent: ``os.register_at_fork``, the import
+    lock, threading's state) and the child's glibc thread id is set by the kernel as
+    glibc's fork sets it. glibc's own pthread_atfork handlers do not run: call it only
+    from a single-threaded process (no lock can be held by another thread), and not
+    from a pid namespace's init (the kernel refuses it: EINVAL). Returns 0 in the child,
+    its pid in the parent; OSError if the kernel refuses (nothing was forked)."""
+    clone = _sibling_clone_cached()
+    if clone is None:
+        raise OSError(errno.ENOSYS, "fork_sibling: no raw clone(2) on this platform")
+    syscall, number, slot, tid_at = clone
+    flags = CLONE_PARENT | signal.SIGCHLD
+    args = [ctypes.c_ulong(0)] * 4  # stack (0: the child continues on a copy of ours), ...
+    if tid_at is not None:
+        flags |= CLONE_CHILD_SETTID
+        args[slot - 1] = ctypes.c_ulong(tid_at)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    api = ctypes.pythonapi  # void functions: their int restype is ignored
+    api.PyOS_BeforeFork()
+    pid = syscall(ctypes.c_long(number), ctypes.c_ulong(flags), *args)
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+    return pid
+
+
+_sibling: list[Any] = []
+
+
+def _sibling_clone_cached() -> Any:
+    if not _sibling:
+        _sibling.append(_sibling_clone())
+    return _sibling[0]

@@ -2,11 +2,13 @@
 loop with the process host's extras (a side socket), and forking its running sub-envs
 into new sandboxes (the process host's branch point).
 
-A worker asked to FORK makes its clones with a double fork: short-lived intermediates
-fork the clones and exit, so the clones are orphaned and adopted by the warm parent (a
-child subreaper, or the init of the tree's pid namespace) and outlive the worker they
-were forked from. A large fan-out is split over one intermediate per core: forking
-copies this process's page tables, and two cores copy them twice as fast.
+A worker asked to FORK makes each clone a sibling of its own (clone(2) with CLONE_PARENT,
+:func:`gym_fork.system.linux.fork_sibling`): the clone is born a child of the warm parent
+(a child subreaper, or the init of the tree's pid namespace), dies with it from its first
+instruction on and outlives the worker it was forked from, with no intermediate process
+to fork it, exit and leave it to be adopted (a worker with threads still does that: a
+double fork). A large fan-out is split over one helper per core: forking copies this
+process's page tables, and two cores copy them twice as fast.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from gym_fork.system.isolation import (
     enter_sandbox,
     private_tmp_leftovers,
 )
-from gym_fork.system.linux import die_with_parent
+from gym_fork.system.linux import die_with_parent, fork_sibling
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import SubEnvSlot, Worker
 
-# A fan-out gets one more intermediate (up to one per core) per this many clones.
-FORKS_PER_INTERMEDIATE = 16
+# A fan-out gets one more helper (up to one per core) per this many clones.
+FORKS_PER_HELPER = 16
 
 
 class ProcessWorker(Worker):
@@ -195,7 +197,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             raise RuntimeError("fork: this worker has not attached its slab yet")
         before_forking_clones(worker.scratch, worker.tree_isolation)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
-        pids = _double_fork(worker, plan, arg["num_envs"], arg["ring_capacity"])
+        pids = _fork_siblings(worker, plan, arg["num_envs"], arg["ring_capacity"])
         # The controller learns the clones' pids in its own pid namespace from these.
         M.send_with_pidfds(worker.sock, M.ClonesForked(pids), pids)
         return pids
@@ -204,59 +206,110 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             os.close(fd)
 
 
-def _double_fork(worker, plan: list[_Clone], num_envs: int, capacity: int) -> list[int]:
+@dataclass
+class _FanOut:
+    """What every clone of one FORK is forked with, and how."""
+
+    worker: ProcessWorker
+    plan: list[_Clone]
+    num_envs: int
+    capacity: int
+    crowded: bool  # more clones than cores
+    snapshot: int  # the write end each clone keeps until it has copied the source's files
+    # -1: clones are siblings (fork_sibling). Else the read end of the gate of the
+    # double fork (a threaded source): clones block on it until every helper (its only
+    # writers) is gone, i.e. until they are orphans about to be adopted.
+    gate: int = -1
+
+    def fork(self, share: range, close: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Fork the clones ``plan[k]`` for k in ``share`` (each closes the source's fds
+        ``close`` first); returns [(k, pid)]."""
+        forked = []
+        for k in share:
+            pid = fork_sibling() if self.gate < 0 else os.fork()
+            if pid == 0:
+                _become_clone(self, self.plan[k], close)
+            forked.append((k, pid))
+        return forked
+
+
+def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> list[int]:
+    """Fork every clone of ``plan`` into a child of the warm parent; returns their pids
+    once every clone has its snapshot of this worker's /tmp and /dev/shm.
+
+    Each clone is forked as a sibling of this worker, by the worker itself or, for a
+    large fan-out, by helpers (siblings too). fork_sibling runs none of the C library's
+    fork handlers, which keep a threaded process's locks sane across fork: a worker with
+    threads (an env's) forks helpers with ``os.fork()`` instead, which fork the clones,
+    write their pids and exit, so that the orphaned clones are adopted (a double fork)."""
+    # Each clone keeps the write end until it has copied its source's /tmp and /dev/shm
+    # (a helper until it has written its clones' pids): EOF says the source may change
+    # them again.
     read_end, write_end = os.pipe()
-    # The gate: clones block on it until every intermediate (its only other writers)
-    # is gone, i.e. until they are orphans about to be adopted, instead of polling.
-    gate_read, gate_write = os.pipe()
     cores = len(os.sched_getaffinity(0)) or 1
-    parts = max(1, min(cores, len(plan) // FORKS_PER_INTERMEDIATE))
-    crowded = len(plan) > cores
-    intermediates = []
-    for part in range(parts):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(read_end)
-                _release_source(worker)  # once here, not once in every clone
-                for k in range(part, len(plan), parts):
-                    clone = os.fork()
-                    if clone == 0:
-                        os.close(gate_write)
-                        # write_end is kept until the clone has copied its source's
-                        # /tmp and /dev/shm: the source waits for its EOF, so it cannot
-                        # change them before every clone has its snapshot.
-                        _become_clone(
-                            worker, plan[k], num_envs, capacity, gate_read, crowded, write_end
-                        )
-                    # 16 bytes < PIPE_BUF: writes from several intermediates never mix
-                    os.write(write_end, k.to_bytes(8, "little") + clone.to_bytes(8, "little"))
-            finally:
-                os._exit(0)
-        intermediates.append(pid)
-    os.close(gate_read)
-    os.close(gate_write)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        data = pipe.read()
-    for pid in intermediates:
-        os.waitpid(pid, 0)
-    if len(data) != 16 * len(plan):
-        raise RuntimeError(
-            f"fork: {len(data) // 16} of {len(plan)} clones were created before a failure"
-        )
+    parts = max(1, min(cores, len(plan) // FORKS_PER_HELPER))
+    fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
+    gate_write, helpers = -1, []
+    if _threaded():
+        fan.gate, gate_write = os.pipe()
+    try:
+        if parts == 1 and fan.gate < 0:
+            forked = fan.fork(range(len(plan)), (read_end,))
+        else:
+            for part in range(parts):
+                helper = fork_sibling() if fan.gate < 0 else os.fork()
+                if helper == 0:
+                    try:
+                        share = range(part, len(plan), parts)
+                        for k, pid in fan.fork(share, (read_end, gate_write)):
+                            # 16 bytes < PIPE_BUF: writes from several helpers never mix
+                            os.write(write_end, k.to_bytes(8, "little") + pid.to_bytes(8, "little"))
+                    finally:
+                        os._exit(0)
+                helpers.append(helper)
+    finally:
+        for fd in (write_end, fan.gate, gate_write):
+            if fd >= 0:
+                os.close(fd)
+        data = _read_to_eof(read_end)  # every clone forked has its snapshot
+        if gate_write >= 0:
+            for helper in helpers:  # ours to reap: os.fork()ed
+                os.waitpid(helper, 0)
+    if helpers:
+        if len(data) != 16 * len(plan):
+            raise RuntimeError(
+                f"fork: {len(data) // 16} of {len(plan)} clones were created before a failure"
+            )
+        forked = [
+            (
+                int.from_bytes(data[i : i + 8], "little"),
+                int.from_bytes(data[i + 8 : i + 16], "little"),
+            )
+            for i in range(0, len(data), 16)
+        ]
     pids = [0] * len(plan)
-    for i in range(0, len(data), 16):
-        pids[int.from_bytes(data[i : i + 8], "little")] = int.from_bytes(
-            data[i + 8 : i + 16], "little"
-        )
+    for k, pid in forked:
+        pids[k] = pid
     return pids
 
 
+def _threaded() -> bool:
+    """True unless this process has one thread only (unknown: threaded, the safe side)."""
+    try:
+        return len(os.listdir("/proc/self/task")) != 1
+    except OSError:
+        return True
+
+
+def _read_to_eof(fd: int) -> bytes:
+    """All that comes on pipe ``fd`` until every writer has closed it; closes ``fd``."""
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read()
+
+
 def _release_source(worker: ProcessWorker) -> None:
-    """In an intermediate, before it forks clones: let go of the source's channel,
-    socket and slab (not the clones'; nothing is written to them, only unmapped and
-    closed), so that no clone has them or spends time closing them."""
+    """In a clone: let go of the source's channel, socket and slab (nothing is written
+    to them, only unmapped and closed)."""
     worker.channel.close()
     worker.sock.close()
     if worker.slab is not None:
@@ -282,23 +335,22 @@ def _first_wait_asleep(channel: Channel) -> None:
     channel.recv = first_recv  # type: ignore[method-assign]  # this instance, for one call
 
 
-def _become_clone(
-    worker: ProcessWorker,
-    clone: _Clone,
-    num_envs: int,
-    capacity: int,
-    gate: int,
-    crowded: bool,
-    snapshot: int,
-) -> None:
+def _become_clone(fan: _FanOut, clone: _Clone, close: tuple[int, ...]) -> NoReturn:
+    worker, snapshot = fan.worker, fan.snapshot
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
-    redirect_output(out_fd, err_fd)
 
     def body() -> None:
+        if fan.gate < 0:  # born a child of the warm parent: its death is ours from now on
+            die_with_parent(worker.warm_parent)
+        redirect_output(out_fd, err_fd)
+        for fd in close:
+            if fd >= 0:
+                os.close(fd)
+        _release_source(worker)
         for lo, hi in clone.others:
             os.closerange(lo, hi)
         child = ProcessWorker(
-            Channel.attach(channel_fd, capacity, clone.name),
+            Channel.attach(channel_fd, fan.capacity, clone.name),
             worker.indices,
             worker.origins,
             worker.make_env,
@@ -310,9 +362,10 @@ def _become_clone(
         child.slots, child.attach_arg = worker.slots, worker.attach_arg
         child.enter_sandbox(copy_from=worker.scratch)
         os.close(snapshot)
-        child.become_clone(clone.slot.index, clone.branch_index, clone.seed, num_envs)
-        _await_adoption(gate, worker.warm_parent)
-        if crowded:
+        child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
+        if fan.gate >= 0:
+            _await_adoption(fan.gate, worker.warm_parent)
+        if fan.crowded:
             _first_wait_asleep(child.channel)
         child.run()
 
@@ -320,8 +373,9 @@ def _become_clone(
 
 
 def _await_adoption(gate: int, warm_parent: int) -> None:
-    """Block until the intermediate is gone (EOF on the gate), then tie our life to the
-    warm parent that adopts us. Set-up and HELLO happen before, in parallel."""
+    """A clone of the double fork: block until every helper is gone (EOF on the gate),
+    then tie our life to the warm parent that adopts us. Set-up and HELLO happen
+    before, in parallel."""
     while os.read(gate, 1):
         pass
     os.close(gate)
