@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -12,6 +13,7 @@ from typing import Any
 PACKAGES = ("gym_fork", "gymnasium", "numpy", "cloudpickle", "msgpack", "cffi")
 
 
+@functools.cache  # installed versions do not change while a process runs (~5 ms a call)
 def _version(name: str) -> str | None:
     try:
         return metadata.version(name)
