@@ -11,7 +11,6 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -166,36 +165,47 @@ def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
 
 CLONE_PARENT = 0x00008000
 CLONE_CHILD_SETTID = 0x01000000
-# clone(2)'s number and where its child_tid argument goes (after tls on arm64).
-_CLONE = {"x86_64": (56, 3), "aarch64": (220, 4)}
+# Per machine: the numbers of clone, set_robust_list and get_robust_list, and where
+# clone's child_tid argument goes (after tls on arm64).
+_SYSCALLS = {"x86_64": (56, 273, 274, 3), "aarch64": (220, 99, 100, 4)}
 # Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
 # holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
 _GLIBC_TID_OFFSET = 0x2D0
 
 
-def _sibling_clone() -> tuple[Any, int, int, int | None] | None:
-    """(raw syscall with the GIL held, clone's number, child_tid's argument slot and
-    address) where this process can fork a sibling; None where it cannot."""
-    import platform
+class _RawClone:
+    """clone(2) through libc's syscall(), called with the GIL held (the child is a
+    Python process like os.fork()'s), and what the child needs set as glibc sets it."""
 
-    machine = platform.machine()
-    if machine not in _CLONE or os.uname().sysname != "Linux":
-        return None
-    number, slot = _CLONE[machine]
-    try:
-        libc = ctypes.PyDLL(None, use_errno=True)  # GIL held: the child is Python's
-        syscall = libc.syscall
-        syscall.restype = ctypes.c_long
+    def __init__(self, machine: str) -> None:
+        self.clone, self.set_robust, self.get_robust, self.tid_slot = _SYSCALLS[machine]
+        libc = ctypes.PyDLL(None, use_errno=True)
+        self.syscall = libc.syscall
+        self.syscall.restype = ctypes.c_long
         libc.pthread_self.restype = ctypes.c_void_p
         self_ptr = libc.pthread_self()
-    except (OSError, AttributeError):
-        return None
-    tid_at: int | None = None
-    if machine == "x86_64" and self_ptr:
-        address = self_ptr + _GLIBC_TID_OFFSET
-        if ctypes.c_int.from_address(address).value == threading.get_native_id():
-            tid_at = address
-    return syscall, number, slot, tid_at
+        self.tid_at: int | None = None
+        if machine == "x86_64" and self_ptr:
+            address = self_ptr + _GLIBC_TID_OFFSET
+            if ctypes.c_int.from_address(address).value == threading.get_native_id():
+                self.tid_at = address
+
+    def __call__(self) -> int:
+        flags = CLONE_PARENT | signal.SIGCHLD
+        args = [ctypes.c_ulong(0)] * 4  # stack 0: the child goes on with a copy of ours
+        if self.tid_at is not None:
+            flags |= CLONE_CHILD_SETTID
+            args[self.tid_slot - 1] = ctypes.c_ulong(self.tid_at)
+        # The kernel gives a new process no robust-futex list; glibc's fork registers
+        # the thread's again in the child, and so do we (same address in the copy).
+        head, size = ctypes.c_void_p(), ctypes.c_size_t()
+        robust = self.syscall(
+            ctypes.c_long(self.get_robust), 0, ctypes.byref(head), ctypes.byref(size)
+        )
+        pid = self.syscall(ctypes.c_long(self.clone), ctypes.c_ulong(flags), *args)
+        if pid == 0 and robust == 0 and head.value:
+            self.syscall(ctypes.c_long(self.set_robust), head, size)
+        return pid
 
 
 def fork_sibling() -> int:
@@ -203,25 +213,19 @@ def fork_sibling() -> int:
     CLONE_PARENT), not of us: no intermediate process that forks it and exits so that
     it is orphaned and adopted. Python's fork hooks run as for ``os.fork()``
     (PyOS_BeforeFork, PyOS_AfterFork_Child/Parent: ``os.register_at_fork``, the import
-    lock, threading's state) and the child's glibc thread id is set by the kernel as
-    glibc's fork sets it. glibc's own pthread_atfork handlers do not run: call it only
-    from a single-threaded process (no lock can be held by another thread), and not
-    from a pid namespace's init (the kernel refuses it: EINVAL). Returns 0 in the child,
-    its pid in the parent; OSError if the kernel refuses (nothing was forked)."""
-    clone = _sibling_clone_cached()
+    lock, threading's state); the child's glibc thread id and robust-futex list are set
+    as glibc's fork sets them. glibc's own pthread_atfork handlers do not run: call it
+    only from a single-threaded process (no lock can be held by another thread), and
+    not from a pid namespace's init (the kernel refuses it: EINVAL). Returns 0 in the
+    child, its pid in the parent; OSError if the kernel refuses (nothing was forked)."""
+    clone = _raw_clone()
     if clone is None:
         raise OSError(errno.ENOSYS, "fork_sibling: no raw clone(2) on this platform")
-    syscall, number, slot, tid_at = clone
-    flags = CLONE_PARENT | signal.SIGCHLD
-    args = [ctypes.c_ulong(0)] * 4  # stack (0: the child continues on a copy of ours), ...
-    if tid_at is not None:
-        flags |= CLONE_CHILD_SETTID
-        args[slot - 1] = ctypes.c_ulong(tid_at)
     sys.stdout.flush()
     sys.stderr.flush()
     api = ctypes.pythonapi  # void functions: their int restype is ignored
     api.PyOS_BeforeFork()
-    pid = syscall(ctypes.c_long(number), ctypes.c_ulong(flags), *args)
+    pid = clone()
     if pid == 0:
         api.PyOS_AfterFork_Child()
         return 0
@@ -232,10 +236,18 @@ def fork_sibling() -> int:
     return pid
 
 
-_sibling: list[Any] = []
+_raw_clones: list[_RawClone | None] = []
 
 
-def _sibling_clone_cached() -> Any:
-    if not _sibling:
-        _sibling.append(_sibling_clone())
-    return _sibling[0]
+def _raw_clone() -> _RawClone | None:
+    """This process's raw clone, made once; None where there is none (not Linux on
+    x86_64 or arm64, no libc)."""
+    if not _raw_clones:
+        import platform
+
+        clone = None
+        if os.uname().sysname == "Linux" and platform.machine() in _SYSCALLS:
+            with contextlib.suppress(OSError, AttributeError):
+                clone = _RawClone(platform.machine())
+        _raw_clones.append(clone)
+    return _raw_clones[0]

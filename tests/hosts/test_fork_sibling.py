@@ -26,6 +26,14 @@ _SIBLING = """
 import ctypes, os, platform, threading
 from gym_fork.system import linux
 
+def robust_head():
+    libc = ctypes.CDLL(None)
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    number = linux._SYSCALLS[platform.machine()][2]  # get_robust_list
+    libc.syscall(number, 0, ctypes.byref(head), ctypes.byref(size))
+    return head.value or 0
+
+
 hooks = []
 os.register_at_fork(after_in_child=lambda: hooks.append("child"))
 read_end, write_end = os.pipe()
@@ -36,13 +44,14 @@ if middle == 0:
     try:
         os.close(read_end)
         hooks.clear()
+        robust = robust_head()
         if linux.fork_sibling() == 0:
-            tid_ok = True
+            tid_ok = robust_head() == robust != 0  # registered again, as glibc's fork does
             if platform.machine() == "x86_64":
                 libc = ctypes.CDLL(None)
                 libc.pthread_self.restype = ctypes.c_void_p
                 slot = libc.pthread_self() + linux._GLIBC_TID_OFFSET
-                tid_ok = ctypes.c_int.from_address(slot).value == threading.get_native_id()
+                tid_ok &= ctypes.c_int.from_address(slot).value == threading.get_native_id()
             os.write(write_end, f"{os.getppid() == me} {hooks} {tid_ok} {os.getpid()}".encode())
             os._exit(0)
         code = 0 if hooks == [] else 2  # the child's hook ran in the child only
