@@ -20,6 +20,8 @@ and return; the script exits non-zero if one does not.
 
 Nodes per second count the search alone: building the env (or the warm parent) and its
 first reset are the set-up, reported apart (replay's resets are part of its search).
+For fork, a level's time is also split (medians): the fork, the branch's first step and
+the close of the level it was forked from.
 Each (env, method) measurement runs in a fresh interpreter, the methods interleaved
 over ``rounds``; medians with min-max. Memory: peak summed PSS of the search's
 processes (for fork: the controller, the warm parent tree and every sandbox), sampled
@@ -112,8 +114,9 @@ def beam_search(root: Any, expand: Expand, depth: int, width: int, sample=None) 
     return beam[0][0], beam[0][1], expanded
 
 
-def search_fork(make, actions, depth, width, host="process", sample=None) -> tuple:
-    """Each level is one fork of the kept sub-envs (a copy per action) and one step."""
+def search_fork(make, actions, depth, width, host="process", sample=None, levels=None) -> tuple:
+    """Each level is one fork of the kept sub-envs (a copy per action) and one step.
+    ``levels``: a list that gets each level's (fork, step, close) seconds."""
     from gym_fork import ForkVectorEnv
 
     env = ForkVectorEnv.from_parent(make, 1, host=host, lineage_log=False)
@@ -123,9 +126,14 @@ def search_fork(make, actions, depth, width, host="process", sample=None) -> tup
 
     def expand(beam: list[Node]) -> list[Node]:
         k = len(actions)
+        begin = time.perf_counter()
         branch = live[0].fork(f"level-{len(beam[0][1])}", [n[2] for n in beam], copies=k)
+        forked = time.perf_counter()
         _, rewards, _, _, _ = branch.step(np.array(actions * len(beam)))  # source, then copy
+        stepped = time.perf_counter()
         live[0].close()
+        if levels is not None:
+            levels.append((forked - begin, stepped - forked, time.perf_counter() - stepped))
         live[0] = branch
         return [
             (ret + float(rewards[i * k + c]), (*prefix, actions[c]), i * k + c)
@@ -203,11 +211,16 @@ def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any
         peak[0] = max(peak[0], _tree_pss_kb())
         sampling[0] += time.perf_counter() - begin
 
+    levels: list[tuple[float, float, float]] = []
     start = time.perf_counter()
     if method == "fork":
-        ret, best, expanded, started = search_fork(make, actions, depth, width, sample=sample)
+        ret, best, expanded, started = search_fork(
+            make, actions, depth, width, sample=sample, levels=levels
+        )
     elif method == "microvm":
-        ret, best, expanded, started = search_fork(make, actions, depth, width, "microvm", sample)
+        ret, best, expanded, started = search_fork(
+            make, actions, depth, width, "microvm", sample, levels
+        )
     elif method == "replay":
         ret, best, expanded, started = search_replay(make, actions, depth, width, sample)
     elif method == "native":
@@ -226,6 +239,10 @@ def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any
         "peak_pss_mb": peak[0] / 1024,
         "best_return": ret,
         "best": list(best),
+        # Per level, medians (ms): the fork, the branch's first step, the source's close.
+        "level_ms": [1e3 * statistics.median(p) for p in zip(*levels, strict=True)]
+        if levels
+        else None,
     }
 
 
@@ -303,6 +320,15 @@ def main() -> None:
                 f"| {med[m] / med['replay']:.2f}x | {vs_native} | {setup:.2f} | {pss:.0f} "
                 f"| {runs[0]['best_return']:.2f} |"
             )
+    for env_name, methods in plans:
+        for m in methods:
+            parts = [r["level_ms"] for r in results[(env_name, m)] if r.get("level_ms")]
+            if parts:
+                fork, step, close = (statistics.median(p[i] for p in parts) for i in range(3))
+                print(
+                    f"{env_name} {m}: a level (median, ms): fork {fork:.1f}, first step "
+                    f"{step:.1f}, close of the source level {close:.1f}"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r for runs in results.values() for r in runs], f, indent=1)
