@@ -308,7 +308,7 @@ def test_killing_the_zygote_while_threads_build_envs_leaves_nothing(monkeypatch)
 
 
 def _zygote_key_is_current(pid: int) -> bool:
-    from gym_fork.hosts.process.host import warm_parent_environment
+    from gym_fork.hosts.process.zygote import warm_parent_environment
 
     key = zygote.zygote_key(warm_parent_environment())
     return any(z.process.pid == pid for k, z in zygote._zygotes.items() if k == key)

@@ -34,7 +34,6 @@ from gym_fork.hosts.base import (
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
-from gym_fork.hosts.process.zygote import warm_parent_environment
 from gym_fork.system import cgroups
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
@@ -166,20 +165,6 @@ class EnvModules:
 _env_modules = EnvModules()
 
 
-def _start_warm_parent(
-    timeout: float | None,
-) -> tuple[socket.socket, ProcessWatch, subprocess.Popen | None]:
-    """A new warm parent, the socket to it and a watch of it: a fork of the controller's
-    zygote, or (zygotes off or failing) a fresh interpreter, then also its Popen (ours
-    to reap)."""
-    env = warm_parent_environment()
-    forked = zygote.fork_warm_parent(env, 60.0 if timeout is None else timeout)
-    if forked is not None:
-        return (*forked, None)
-    sock, process = zygote.start_interpreter("gym_fork.hosts.process.parent", env)
-    return sock, ProcessWatch(process.pid), process
-
-
 class ProcessHost(SharedByBranches):
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
@@ -226,7 +211,7 @@ class ProcessHost(SharedByBranches):
 
     def _start(self, config: HostConfig, recipe: dict[str, Any]) -> tuple[M.Ready, ProcessWatch]:
         """Start a warm parent and have it prepare; its ready reply and a watch of it."""
-        self.sock, self.watch, self.process = _start_warm_parent(config.start_timeout)
+        self.sock, self.watch, self.process = zygote.start_warm_parent(config.start_timeout)
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.

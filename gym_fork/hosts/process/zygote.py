@@ -222,6 +222,20 @@ def fork_warm_parent(
         return None
 
 
+def start_warm_parent(
+    timeout: float | None,
+) -> tuple[socket.socket, ProcessWatch, subprocess.Popen | None]:
+    """A new warm parent, the socket to it and a watch of it: a fork of the controller's
+    zygote, or (zygotes off or failing) a fresh interpreter, then also its Popen (ours
+    to reap)."""
+    env = warm_parent_environment()
+    forked = fork_warm_parent(env, 60.0 if timeout is None else timeout)
+    if forked is not None:
+        return (*forked, None)
+    sock, process = start_interpreter("gym_fork.hosts.process.parent", env)
+    return sock, ProcessWatch(process.pid), process
+
+
 def _zygote_for(env: dict[str, str]) -> Zygote:
     """The live zygote for ``env``'s key, started if there is none."""
     key = zygote_key(env)

@@ -29,7 +29,7 @@ import gymnasium.envs.registration  # noqa: F401
 from gym_fork import zygote_launch
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import parent
-from gym_fork.system import confine, linux
+from gym_fork.system import children, confine, linux
 
 
 def apply_process_state(state: dict[str, Any]) -> None:
@@ -103,11 +103,9 @@ class ZygoteProcess:
                 self.fork(message, *fds)
 
     def fork(self, request: M.ForkWarmParent, parent_end: int, out_fd: int, err_fd: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
         me = os.getpid()
         try:
-            pid = os.fork()
+            pid = children.fork()
         except OSError as exc:  # EAGAIN, ENOMEM: this request fails, the zygote serves on
             M.close_fds([parent_end, out_fd, err_fd])
             M.send(self.sock, M.Refused(f"zygote fork: {exc}"))
