@@ -65,18 +65,18 @@ class ShardWorker:
         env_fns: Sequence[Callable[[], Any]] | None,
         kwargs: dict[str, Any],
         placement: dict[str, Any],
-        parent: dict[str, Any] | None = None,
+        from_parent: dict[str, Any] | None = None,
         seeds: list[int | None] | None = None,
     ) -> dict[str, Any]:
         """Build a ForkVectorEnv for ``handle``: from ``env_fns`` (drop-in constructor) or
-        ``parent`` (``ForkVectorEnv.from_parent`` arguments); reset it with ``seeds`` when
+        ``from_parent`` (``ForkVectorEnv.from_parent``'s arguments); reset it with ``seeds`` when
         given (a spread fork's fresh copies) and return its description."""
         from gym_fork import ForkVectorEnv
 
         if handle in self.envs:
             raise ValueError(f"handle {handle!r} exists on this actor")
-        if parent is not None:
-            env = ForkVectorEnv.from_parent(**parent, **kwargs)
+        if from_parent is not None:
+            env = ForkVectorEnv.from_parent(**from_parent, **kwargs)
         else:
             env = ForkVectorEnv(list(env_fns), **kwargs)
         self.envs[handle] = env

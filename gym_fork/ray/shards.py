@@ -37,7 +37,7 @@ class Family:
 
     pool: ActorPool
     config: VectorConfig
-    parent: dict[str, Any] | None
+    from_parent: dict[str, Any] | None
     kwargs: dict[str, Any]  # the node-local ForkVectorEnvs' arguments
     tree: LineageTree | None = None
     counter: Any = field(default_factory=itertools.count)
@@ -49,8 +49,8 @@ class Family:
 
     def create_args(self, origins: list[int]) -> tuple[list | None, dict | None]:
         """(env_fns, from_parent arguments) that build sub-envs of these origins."""
-        if self.parent is not None:
-            return None, {**self.parent, "num_envs": len(origins)}
+        if self.from_parent is not None:
+            return None, {**self.from_parent, "num_envs": len(origins)}
         return [self.config.env_fns[o] for o in origins], None
 
 
@@ -82,10 +82,10 @@ class ShardSet:
         refs, shards = [], []
         for k, (entry, pos) in enumerate(plan):
             handle, local_id = family.new_handle(self.branch_id)
-            env_fns, parent = family.create_args([self.origins[i] for i in pos])
+            env_fns, from_parent = family.create_args([self.origins[i] for i in pos])
             kwargs = {**family.kwargs, "branch_id": local_id}
             info = {"ray_branch_id": self.branch_id, "shard": k, "indices": pos.tolist()}
-            refs.append(entry.actor.create.remote(handle, env_fns, kwargs, info, parent))
+            refs.append(entry.actor.create.remote(handle, env_fns, kwargs, info, from_parent))
             shards.append(Shard(entry, handle, selector(pos), pos))
         return self.adopt(refs, shards, "building shards")
 

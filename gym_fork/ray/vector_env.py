@@ -70,12 +70,12 @@ class RayForkVectorEnv(AsyncFrontEnd, VectorEnv):
         actor_options: dict[str, Any] | None = None,
         branch_id: str | None = None,
         lineage_log: Any = True,
-        _parent: dict[str, Any] | None = None,
+        _from_parent: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_env_fns(env_fns)
         kwargs.pop("copy", None)
-        prepare = None if _parent is None else PrepareRecipe(*_parent_recipe(_parent))
+        prepare = None if _from_parent is None else _preparation(_from_parent)
         # writable_paths name directories of the nodes, checked by each node-local env.
         checked = {k: v for k, v in kwargs.items() if k != "writable_paths"}
         config = VectorConfig.from_arguments(list(env_fns), prepare=prepare, **checked)
@@ -85,7 +85,7 @@ class RayForkVectorEnv(AsyncFrontEnd, VectorEnv):
             ray.init(address=address, **(init_kwargs or {}))
         log_path = default_log_path() if lineage_log is True else (lineage_log or None)
         kwargs["lineage_log"] = str(log_path) if log_path else False
-        family = Family(ActorPool(dict(actor_options or {})), config, _parent, kwargs)
+        family = Family(ActorPool(dict(actor_options or {})), config, _from_parent, kwargs)
         branch_id = branch_id or LineageTree.new_root_id()
         self._setup(family, branch_id, config.num_envs, list(config.origins))
         placement = shard_layout(alive_nodes(), self.num_envs, num_shards, cores_per_shard, nodes)
@@ -163,8 +163,8 @@ class RayForkVectorEnv(AsyncFrontEnd, VectorEnv):
         """As ``ForkVectorEnv.from_parent``: each shard builds and warms one env on its
         node and clones it for each of its sub-envs."""
         num_envs = check_parent_count(num_envs, kwargs)
-        parent = {"env_fn": env_fn, "warmup": warmup, "ready_check": ready_check, "seed": seed}
-        return cls([env_fn] * num_envs, reset_mode=reset_mode, _parent=parent, **kwargs)
+        args = {"env_fn": env_fn, "warmup": warmup, "ready_check": ready_check, "seed": seed}
+        return cls([env_fn] * num_envs, reset_mode=reset_mode, _from_parent=args, **kwargs)
 
     # -- placement ------------------------------------------------------------------
     # -- reports --------------------------------------------------------------------
@@ -388,14 +388,16 @@ class RayForkVectorEnv(AsyncFrontEnd, VectorEnv):
             entry = family.pool.for_node(node)
             handle, local_id = family.new_handle(plan.branch_id)
             positions = [p for p, _i in copies_here]
-            env_fns, parent = family.create_args([self._set.origins[i] for _p, i in copies_here])
+            env_fns, from_parent = family.create_args(
+                [self._set.origins[i] for _p, i in copies_here]
+            )
             seeds = [
                 plan.seeds[p] if plan.reseeded else self._episode_seeds[i] for p, i in copies_here
             ]
             kwargs = {**family.kwargs, "branch_id": local_id}
             placement = {**info, "exact": False, "indices": positions}
             refs.append(
-                entry.actor.create.remote(handle, env_fns, kwargs, placement, parent, seeds)
+                entry.actor.create.remote(handle, env_fns, kwargs, placement, from_parent, seeds)
             )
             pos = np.asarray(positions)
             shards.append(Shard(entry, handle, selector(pos), pos))
@@ -459,5 +461,6 @@ class RayForkVectorEnv(AsyncFrontEnd, VectorEnv):
         )
 
 
-def _parent_recipe(parent: dict[str, Any]) -> tuple[Any, Any, Any]:
-    return parent["warmup"], parent["ready_check"], parent["seed"]
+def _preparation(args: dict[str, Any]) -> PrepareRecipe:
+    """The preparation that ``from_parent``'s arguments ``args`` ask for."""
+    return PrepareRecipe(args["warmup"], args["ready_check"], args["seed"])
