@@ -1,4 +1,4 @@
-"""Controller side of the microVM host: one frozen parent VM, clones restored from it.
+"""Controller side of the microVM host: one frozen warm parent VM, clones restored from it.
 
 The warm parent is a boot template (:mod:`.boot`: a guest booted once per process from
 the image, :mod:`.image`) resumed in a new QEMU, whose agent prepares the env_fns
@@ -148,7 +148,7 @@ class MicroVMHost(SharedByBranches):
             )
             self.slab_min_bytes = self.config.slab_bytes  # sparse: costs nothing unused
             self._die_with_controller = controller_is_main_thread()
-            self._boot_parent(config)
+            self._boot_warm_parent(config)
         except BaseException:
             self.close()
             raise
@@ -166,7 +166,7 @@ class MicroVMHost(SharedByBranches):
         raise ImageError("the guest image was removed each time it was built")
 
     # -- the warm parent --------------------------------------------------------------
-    def _boot_parent(self, host_config: HostConfig) -> None:
+    def _boot_warm_parent(self, host_config: HostConfig) -> None:
         message = init_message(host_config)
         output = self._open_output()
         start_timeout = host_config.start_timeout
@@ -176,7 +176,7 @@ class MicroVMHost(SharedByBranches):
         ram_fd = new_memfd("gym_fork-vm-ram", self.config.memory_mb << 20)
         state_fd = os.memfd_create("gym_fork-vm-state", os.MFD_CLOEXEC)
         self.template = BranchPoint(ram_fd, state_fd, b"")
-        copy_data(boot.ram_fd, ram_fd)  # the parent writes its own RAM: not the boot image's
+        copy_data(boot.ram_fd, ram_fd)  # the warm parent writes its own RAM: not the boot image's
         channel = Channel.create("warm parent VM", self.config.ring_capacity, poll=True)
         channel.set_positions(boot.positions)
         channel.send({**message, "time_ns": time.time_ns(), "entropy": os.urandom(32)})
@@ -184,7 +184,7 @@ class MicroVMHost(SharedByBranches):
             machine = start_slabless(
                 self.config,
                 output,
-                "parent",
+                "warm-parent",
                 ram_fd,
                 channel,
                 incoming=True,
@@ -197,7 +197,7 @@ class MicroVMHost(SharedByBranches):
         try:
             boot.resume(machine)
             self.restore_seconds = time.perf_counter() - restoring
-            reply = self._await_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
+            reply = self._await_warm_parent(channel, machine, start_timeout or BOOT_TIMEOUT_S)
             self.guest = reply.get("isolation", {})
             saving = time.perf_counter()
             machine.save(state_fd)
@@ -208,15 +208,15 @@ class MicroVMHost(SharedByBranches):
         finally:
             machine.kill()
             channel.close()
-            output.forget("parent")
+            output.forget("warm-parent")
 
-    def _await_parent(self, channel: Channel, machine: Machine, timeout: float) -> dict:
+    def _await_warm_parent(self, channel: Channel, machine: Machine, timeout: float) -> dict:
         reply = first_message(channel, machine, timeout)
         if reply is None:
             if not machine.alive():
                 raise SandboxStartError(
                     "the warm parent VM exited before it was ready; its output:\n"
-                    + self._open_output().tail("parent", "stderr")[-4000:]
+                    + self._open_output().tail("warm-parent", "stderr")[-4000:]
                     + machine.log()
                 )
             raise SandboxStartError(
@@ -395,7 +395,7 @@ class MicroVMHost(SharedByBranches):
 
     # -- health, status, isolation --------------------------------------------------
     def alive(self) -> bool:
-        """The frozen parent exists as long as this host is open."""
+        """The frozen warm parent exists as long as this host is open."""
         return self.template is not None and self.template.ram_fd >= 0
 
     def tree(self) -> list[WorkerHandle]:

@@ -193,19 +193,19 @@ class ProcessHost(SharedByBranches):
         try:
             recipe = init_message(config)
             while True:
-                reply, parent = self._start(config, recipe)
+                reply, warm_parent = self._start(config, recipe)
                 if not _env_modules.made_unsafe(recipe["env_fns"], reply.preimported):
                     break
                 # Its pre-import left threads or a GPU context in the warm parent: never
                 # fork from that; again without pre-import (remembered for these env_fns).
-                parent.close()
+                warm_parent.close()
                 self._stop_warm_parent(2.0)
         except BaseException:
             self.close()
             raise
         # In its own pid namespace the warm parent is pid 1; this is its host pid.
-        self.pid = parent.pid
-        parent.close()
+        self.pid = warm_parent.pid
+        warm_parent.close()
         self.gpu_pid: int | None = self.pid
         self.tree_isolation = reply.isolation
 
@@ -229,10 +229,10 @@ class ProcessHost(SharedByBranches):
         )
         if isinstance(reply, M.PrepareFailed):
             raise_prepare_failure(vars(reply), "the warm parent", trusted=config.trusted)
-        (parent,) = adopt_pidfds([reply.pid], reply.pidfds, fds)
+        (warm_parent,) = adopt_pidfds([reply.pid], reply.pidfds, fds)
         if known is None:
             _env_modules.learn(recipe["env_fns"], reply.preimported)
-        return reply, parent
+        return reply, warm_parent
 
     def spawn(
         self,
