@@ -73,8 +73,10 @@ def test_a_host_that_drifts_from_the_protocol_is_caught(cache_dir, tmp_path):
     signature (its own override error silenced) is still refused where a Host is due."""
     drifted = tmp_path / "drifted_host.py"
     drifted.write_text(DRIFTED_HOST)
-    # Only this file's errors: gym_fork's own are the other test's business.
-    proc = _mypy(cache_dir, "--follow-imports=silent", str(drifted))
+    # The other test's options, so that its cache serves gym_fork's modules (an option
+    # that changes the cache, --follow-imports=silent, made this a second cold run);
+    # only this file's errors are looked at: gym_fork's own are the other test's business.
+    proc = _mypy(cache_dir, str(drifted))
     assert proc.returncode != 0, proc.stdout + proc.stderr
     refused = [
         line
