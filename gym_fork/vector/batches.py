@@ -114,10 +114,13 @@ def wait(env: Any, batches: Batches, timeout: float | None) -> None:
     def take_ready(ready: list[int]) -> bool:
         for index in ready:
             op = batches.running.pop(index)
+            worker = pool.workers[index]
             # Its reply is there, or it is dead: what it published before it died is
-            # taken, else its crash is raised.
+            # taken, else its crash is raised at once.
             try:
-                _op, _seq, result, errors = pool.receive(pool.workers[index], Deadline(0), op)
+                _op, _seq, result, errors = pool.receive(
+                    worker, Deadline(0) if worker.dead else deadline, op
+                )
             except WaitTimeout:  # only the late reply of an abandoned call: it runs on
                 batches.running[index] = op
                 continue

@@ -215,7 +215,6 @@ class WorkerPool:
         found dead, and removes from ``ops`` those it took. WaitTimeout at ``deadline``.
         The wait and its checks are :meth:`receive`'s, on all of them at once."""
         rings = AnyRing({k: self.workers[k].channel.inbox for k in ops})
-        stalls: dict[int, Stall | None] = dict.fromkeys(ops)
 
         def taken(ready: list[int]) -> bool | None:
             done = take(ready)
@@ -223,6 +222,12 @@ class WorkerPool:
                 if k not in ops:
                     rings.drop(k)
             return done or None
+
+        ready = rings.ready()
+        if ready and taken(ready):  # the replies were there: no wait at all
+            return
+        started = time.monotonic()  # the first liveness check comes a slice from now
+        stalls: dict[int, Stall | None] = {}
 
         def between() -> bool | None:
             dead = []
@@ -236,11 +241,8 @@ class WorkerPool:
             ready = rings.within(ns)
             return None if ready is None else taken(ready)
 
-        started = time.monotonic()  # its first check comes a slice from now
-        ready = rings.ready()
-        if (ready and taken(ready)) or wait(attempt, deadline.end, between, checked=started):
-            return
-        raise WaitTimeout
+        if not wait(attempt, deadline.end, between, checked=started):
+            raise WaitTimeout
 
     def collect(self, op: int, timeout: float | None, *, building: bool = False) -> list[Any]:
         """Every worker's result for ``op``, in worker order; a sub-env's error is
