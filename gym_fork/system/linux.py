@@ -219,8 +219,8 @@ def fork_sibling() -> int:
     not from a pid namespace's init (the kernel refuses it: EINVAL). Returns 0 in the
     child, its pid in the parent; OSError if the kernel refuses (nothing was forked)."""
     clone = _raw_clone()
-    if clone is None:
-        raise OSError(errno.ENOSYS, "fork_sibling: no raw clone(2) on this platform")
+    if clone is None or clone.tid_at is None:
+        raise OSError(errno.ENOSYS, "fork_sibling: not on this platform (can_fork_sibling)")
     sys.stdout.flush()
     sys.stderr.flush()
     api = ctypes.pythonapi  # void functions: their int restype is ignored
@@ -234,6 +234,15 @@ def fork_sibling() -> int:
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid
+
+
+def can_fork_sibling() -> bool:
+    """True where :func:`fork_sibling` makes a child as glibc's fork would: a raw clone
+    and glibc's thread id of this thread found (x86_64). Elsewhere the child would keep
+    its source's cached tid (glibc's owner checks of recursive and error-checking
+    mutexes read it)."""
+    clone = _raw_clone()
+    return clone is not None and clone.tid_at is not None
 
 
 _raw_clones: list[_RawClone | None] = []

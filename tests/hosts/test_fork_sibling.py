@@ -11,9 +11,16 @@ import threading
 
 import gymnasium as gym
 import numpy as np
+import pytest
 
 from gym_fork import ForkVectorEnv
+from gym_fork.system import linux
 from tests.helpers import alive, wait_until
+
+needs_sibling = pytest.mark.skipif(
+    not linux.can_fork_sibling(),
+    reason="fork_sibling needs glibc's thread id found (x86_64): clones double-fork here",
+)
 
 
 def _ppid(pid: int) -> int:
@@ -67,6 +74,7 @@ print(os.waitstatus_to_exitcode(status), born_ours, hooks, tid_ok, reaped == int
 """
 
 
+@needs_sibling
 def test_the_sibling_is_our_parents_child_with_pythons_fork_hooks_run():
     out = subprocess.run(
         [sys.executable, "-c", _SIBLING], capture_output=True, text=True, timeout=30, check=True
@@ -74,6 +82,7 @@ def test_the_sibling_is_our_parents_child_with_pythons_fork_hooks_run():
     assert out.stdout.split() == ["0", "True", "['child']", "True", "True"]
 
 
+@needs_sibling
 def test_a_clone_is_born_a_child_of_the_warm_parent_and_dies_with_it():
     env = ForkVectorEnv.from_parent(lambda: gym.make("CartPole-v1"), 1, lineage_log=False)
     try:
@@ -115,5 +124,34 @@ def test_a_threaded_source_still_forks_clones_of_the_warm_parent_by_a_double_for
             assert list(rewards) == [1.0, 1.0]
         finally:
             branch.close()
+    finally:
+        env.close()
+
+
+class RaisingEnv(gym.Wrapper):
+    """CartPole that can kill itself with C's raise() (SIGKILL to its own thread): in a
+    clone made by a raw clone(2) that must reach the clone, never its source."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def die_by_raise(self) -> None:
+        signal.raise_signal(signal.SIGKILL)
+
+
+def test_a_clone_that_raises_a_signal_kills_itself_not_its_source():
+    env = ForkVectorEnv([RaisingEnv], lineage_log=False)
+    try:
+        env.reset(seed=0)
+        source = env.worker_pids[0]
+        branch = env.fork("raiser", [0])
+        try:
+            with pytest.raises(Exception, match=r"(?i)killed|signal|died|crash"):
+                branch.call("die_by_raise")
+        finally:
+            branch.close()
+        assert alive([source])
+        _, rewards, _, _, _ = env.step(np.array([0]))
+        assert list(rewards) == [1.0]
     finally:
         env.close()

@@ -32,7 +32,7 @@ from gym_fork.system.isolation import (
     enter_sandbox,
     private_tmp_leftovers,
 )
-from gym_fork.system.linux import die_with_parent, fork_sibling
+from gym_fork.system.linux import can_fork_sibling, die_with_parent, fork_sibling
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
@@ -250,7 +250,7 @@ def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> 
     parts = max(1, min(cores, len(plan) // FORKS_PER_HELPER))
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
     gate_write, helpers = -1, []
-    if _threaded():
+    if _threaded() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
     try:
         if parts == 1 and fan.gate < 0:
