@@ -3,6 +3,7 @@ does, and turning a batch of actions into what the workers read."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -89,21 +90,38 @@ class VectorSpaces:
     def for_branch(self, observation_mode: Any, sources: list[int]) -> VectorSpaces:
         """The spaces of a branch whose sub-env j continues sub-env ``sources[j]``."""
         n = len(sources)
+        same_size = n == len(self.sub_env_observation_spaces)
         sub_env_spaces = [self.sub_env_observation_spaces[i] for i in sources]
         if observation_mode == "different":
             batched = batch_differing_spaces(sub_env_spaces)
         elif isinstance(observation_mode, tuple):
             batched = self.observation_space  # custom: as given
+        elif same_size:
+            batched = _fresh_copy(self.observation_space)
         else:
             batched = batch_space(self.single_observation_space, n)
+        actions = (
+            _fresh_copy(self.action_space)
+            if same_size
+            else batch_space(self.single_action_space, n)
+        )
         return VectorSpaces(
             self.single_observation_space,
             batched,
             self.single_action_space,
-            batch_space(self.single_action_space, n),
+            actions,
             sub_env_spaces,
             self.check_mode,
         )
+
+
+def _fresh_copy(space: Space) -> Space:
+    """What ``batch_space`` would build again, copied with its own unseeded generator:
+    building a batched Box of image observations costs tens of ms per fork of a tree
+    search, the copy about one (tests/vector/test_spaces.py checks they are equal)."""
+    copied = copy.deepcopy(space)
+    copied.seed()
+    return copied
 
 
 @functools.singledispatch

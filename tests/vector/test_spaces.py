@@ -1,0 +1,46 @@
+"""gym_fork/vector/spaces.py: a branch's spaces (VectorSpaces.for_branch)."""
+
+from __future__ import annotations
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import batch_space
+
+from gym_fork.vector.spaces import VectorSpaces
+
+
+def _spaces(n: int) -> VectorSpaces:
+    single_obs = spaces.Box(0, 255, (4, 8, 8), np.uint8)
+    single_act = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    return VectorSpaces(
+        single_obs,
+        batch_space(single_obs, n),
+        single_act,
+        batch_space(single_act, n),
+        [single_obs] * n,
+        "same",
+    )
+
+
+def test_a_branch_of_as_many_sub_envs_gets_equal_spaces_with_their_own_generators():
+    source = _spaces(3)
+    branch = source.for_branch("same", [2, 0, 1])
+    assert branch.observation_space == batch_space(source.single_observation_space, 3)
+    assert branch.action_space == batch_space(source.single_action_space, 3)
+    assert branch.observation_space is not source.observation_space
+    assert branch.action_space is not source.action_space
+    # Seeding the branch's spaces leaves the source's samples as they were.
+    source.action_space.seed(7)
+    expected = source.action_space.sample()
+    source.action_space.seed(7)
+    branch.action_space.seed(7)
+    branch.action_space.sample()
+    assert np.array_equal(source.action_space.sample(), expected)
+
+
+def test_a_branch_of_another_size_gets_spaces_batched_for_its_size():
+    source = _spaces(3)
+    branch = source.for_branch("same", [1, 1, 1, 0, 2])
+    assert branch.observation_space == batch_space(source.single_observation_space, 5)
+    assert branch.action_space == batch_space(source.single_action_space, 5)
+    assert len(branch.sub_env_observation_spaces) == 5
