@@ -49,7 +49,7 @@ class HostConfig:
     kind: str
     env_fns: tuple[Callable, ...]
     prepare: PrepareRecipe | None = None
-    prepare_in_sandbox: bool = False
+    clean_launch: bool = False  # gpu_fork_policy="clean": each sandbox builds its env cold
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
     ring_capacity: int = DEFAULT_RING_BYTES
     vm_memory_mb: int = DEFAULT_VM_MEMORY_MB
@@ -443,7 +443,7 @@ def init_message(config: HostConfig) -> dict[str, Any]:
         "cwd": os.getcwd(),
         "registry": cloudpickle.dumps(dict(registry)),
         "prepare": None if prepare is None else cloudpickle.dumps(prepare),
-        "prepare_in_sandbox": config.prepare_in_sandbox,
+        "clean_launch": config.clean_launch,
     }
 
 

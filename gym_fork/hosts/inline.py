@@ -76,9 +76,9 @@ class InlineHost(SharedByBranches):
 
     def make_env(self, origin: int):
         """A fresh build of env_fns[origin], prepared as ``from_parent`` asks."""
-        recipe = self.config.prepare
-        if recipe is not None:
-            return recipe.prepared_env(self.config.env_fns[0])
+        preparation = self.config.prepare
+        if preparation is not None:
+            return preparation.prepared_env(self.config.env_fns[0])
         return self.config.env_fns[origin]()
 
     def spawn(

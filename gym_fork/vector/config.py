@@ -226,13 +226,13 @@ class VectorConfig:
             origins=tuple(self.origins[i] for i in sources),
         )
 
-    def host_config(self, *, prepare_in_sandbox: bool = False) -> HostConfig:
+    def host_config(self, *, clean_launch: bool = False) -> HostConfig:
         """What the host needs to start this vector env's warm parent."""
         return HostConfig(
             kind=self.host,
             env_fns=self.env_fns[:1] if self.prepare else self.env_fns,
             prepare=self.prepare,
-            prepare_in_sandbox=prepare_in_sandbox,
+            clean_launch=clean_launch,
             isolation=self.isolation,
             ring_capacity=self.ring_bytes,
             vm_memory_mb=self.vm_memory_mb,

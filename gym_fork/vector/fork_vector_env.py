@@ -39,7 +39,8 @@ from .spaces import ActionWriter, VectorSpaces
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
-# The constructor's arguments that are not VectorConfig fields (the lineage's, the recipe).
+# The constructor's arguments that are not VectorConfig fields (the lineage's, and
+# from_parent's PrepareRecipe).
 _NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
 
 

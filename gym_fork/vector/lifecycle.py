@@ -215,7 +215,7 @@ class Sandboxes:
         # "clean": a warm parent that only imports; every sandbox builds (and warms) its
         # own env from the env_fn, i.e. a cold start that keeps the reset promise.
         tainted = self._live_host()
-        self.host = make_host(self.config.host_config(prepare_in_sandbox=True))
+        self.host = make_host(self.config.host_config(clean_launch=True))
         self.pool.host = self.host
         tainted.release()
         self.clean_launch = {"reason": "warm parent holds CUDA", "evidence": evidence}

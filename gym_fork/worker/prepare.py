@@ -36,7 +36,7 @@ class PrepareRecipe:
         return env
 
 
-class EnvRecipe:
+class EnvSource:
     """The env_fns of a vector env, unpickled once in the warm parent, and what a new
     sandbox's sub-envs start from (:meth:`make_env`)."""
 
@@ -60,7 +60,7 @@ class EnvRecipe:
         prepare = message.get("prepare")
         if prepare is not None:
             self.preparation = cloudpickle.loads(prepare)
-            if not message.get("prepare_in_sandbox"):
+            if not message.get("clean_launch"):
                 self.prototype = self.prepared_env()
         # Objects alive now are shared copy-on-write with every sandbox: keep the
         # collector from touching (and so copying) their pages after fork.

@@ -26,7 +26,7 @@ from gym_fork.transport.channel import Channel
 from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import NO_REPLY, Worker
-from gym_fork.worker.prepare import EnvRecipe
+from gym_fork.worker.prepare import EnvSource
 
 RNDRESEEDCRNG = 0x5207  # ioctl: make the kernel's RNG draw from its pool now
 
@@ -139,11 +139,11 @@ def main() -> None:
     channel.send({"op": "booted"})
     # First branch point: booted, imports done. The controller freezes the VM here once
     # per image and restores a copy of it for every warm parent it needs.
-    recipe = EnvRecipe()
+    env_source = EnvSource()
     message = channel.recv()
     try:
         fresh_start(message)
-        recipe.prepare(message)
+        env_source.prepare(message)
     except Exception as exc:
         channel.send(prepare_failure(exc))
         return
@@ -151,8 +151,8 @@ def main() -> None:
     # The branch point: the controller freezes this VM while it waits here.
     order = channel.recv()
     refresh_clock(order["time_ns"])
-    worker = GuestWorker(channel, order, recipe.make_env, order["generation"])
-    if worker.hello(recipe.attach_arg(order.get("attach"))):
+    worker = GuestWorker(channel, order, env_source.make_env, order["generation"])
+    if worker.hello(env_source.attach_arg(order.get("attach"))):
         worker.run()
 
 

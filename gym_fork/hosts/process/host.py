@@ -191,10 +191,10 @@ class ProcessHost(SharedByBranches):
         self._handle_ids = itertools.count()
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         try:
-            recipe = init_message(config)
+            setup = init_message(config)
             while True:
-                reply, warm_parent = self._start(config, recipe)
-                if not _env_modules.made_unsafe(recipe["env_fns"], reply.preimported):
+                reply, warm_parent = self._start(config, setup)
+                if not _env_modules.made_unsafe(setup["env_fns"], reply.preimported):
                     break
                 # Its pre-import left threads or a GPU context in the warm parent: never
                 # fork from that; again without pre-import (remembered for these env_fns).
@@ -209,15 +209,15 @@ class ProcessHost(SharedByBranches):
         self.gpu_pid: int | None = self.pid
         self.tree_isolation = reply.isolation
 
-    def _start(self, config: HostConfig, recipe: dict[str, Any]) -> tuple[M.Ready, ProcessWatch]:
+    def _start(self, config: HostConfig, setup: dict[str, Any]) -> tuple[M.Ready, ProcessWatch]:
         """Start a warm parent and have it prepare; its ready reply and a watch of it."""
         self.sock, self.watch, self.process = zygote.start_warm_parent(config.start_timeout)
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.
-        known = _env_modules.known(recipe["env_fns"])
+        known = _env_modules.known(setup["env_fns"])
         init = M.Init(
-            recipe=recipe,
+            setup=setup,
             preimport={"enabled": True, **(known or {})},
             controller_pid=os.getpid(),
             die_with_controller=threading.current_thread() is threading.main_thread(),
@@ -231,7 +231,7 @@ class ProcessHost(SharedByBranches):
             raise_prepare_failure(vars(reply), "the warm parent", trusted=config.trusted)
         (warm_parent,) = adopt_pidfds([reply.pid], reply.pidfds, fds)
         if known is None:
-            _env_modules.learn(recipe["env_fns"], reply.preimported)
+            _env_modules.learn(setup["env_fns"], reply.preimported)
         return reply, warm_parent
 
     def spawn(

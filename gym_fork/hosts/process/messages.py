@@ -95,12 +95,12 @@ class Retire(Message):
 
 @dataclass(frozen=True)
 class Init(Message):
-    """Controller, first: what to prepare (``recipe``: gym_fork.hosts.base.init_message)
+    """Controller, first: what to prepare (``setup``: gym_fork.hosts.base.init_message)
     and how to live (the pre-import's known names, the controller, the isolation)."""
 
     OP = "init"
     MAX_BYTES = MAX_MESSAGE_BYTES  # cloudpickled env_fns
-    recipe: dict[str, Any]
+    setup: dict[str, Any]
     preimport: dict[str, Any]
     controller_pid: int
     die_with_controller: bool

@@ -46,7 +46,7 @@ from gym_fork.system.isolation import (
     isolate_tree,
 )
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
-from gym_fork.worker.prepare import EnvRecipe
+from gym_fork.worker.prepare import EnvSource
 
 
 class WarmParent:
@@ -61,7 +61,7 @@ class WarmParent:
     ) -> None:
         self.sock = sock
         self.pid = os.getpid()  # 1 when the tree has its own pid namespace
-        self.recipe = EnvRecipe()
+        self.env_source = EnvSource()
         self.exit_codes: dict[int, int] = {}
         self.spawned: set[int] = set()
         self.isolation_config = config
@@ -78,7 +78,7 @@ class WarmParent:
         per = M.FDS_PER_SANDBOX
         sys.stdout.flush()
         sys.stderr.flush()
-        attach = self.recipe.attach_arg(request.attach)
+        attach = self.env_source.attach_arg(request.attach)
         self.reap()  # an idle sandbox that died is out of the pool
         pids = []
         for k, spec in enumerate(request.workers):
@@ -137,7 +137,7 @@ class WarmParent:
             slab_fd,
             sock_fd,
             spec,
-            self.recipe.make_env,
+            self.env_source.make_env,
             warm_parent=self.pid,
             isolation=(self.isolation_config, self.tree_isolation),
             attach=attach,
@@ -152,7 +152,7 @@ class WarmParent:
         nothing was learnt."""
         if not (request.get("enabled") and preimport.enabled()):
             return None
-        if not self.recipe.builds_in_sandbox():
+        if not self.env_source.builds_in_sandbox():
             return None
         known, since = request.get("modules"), request.get("since")
         if isinstance(known, list) and isinstance(since, float):
@@ -175,7 +175,7 @@ class WarmParent:
 
         close = [self.sock.fileno()] + ([self.controller] if self.controller >= 0 else [])
         learnt = preimport.preimport(
-            self.recipe.env_fns[0], enter, close, preimport.budget(), cleanup
+            self.env_source.env_fns[0], enter, close, preimport.budget(), cleanup
         )
         unsafe = preimport.fork_unsafe()
         if unsafe:
@@ -194,7 +194,7 @@ class WarmParent:
             assigned, fds = await_assignment(sock)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)
-            attach = self.recipe.attach_arg(assigned.attach)
+            attach = self.env_source.attach_arg(assigned.attach)
             entered = (scratch, achieved.report())
             self._serve(assigned.spec, channel_fd, slab_fd, sock_fd, attach, entered)
 
@@ -396,7 +396,7 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
     parent = WarmParent(sock, config, tree, controller)
     try:
         try:
-            parent.recipe.prepare(init.recipe)
+            parent.env_source.prepare(init.setup)
         except Exception as exc:
             failure = prepare_failure(exc)
             del failure["op"]
