@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = ("--no-deps", "--no-index", "-q")
 
 pytest.importorskip("build", reason="needs the `build` package (the test extra has it)")
 
@@ -56,7 +57,10 @@ def test_the_sdist_holds_what_building_needs_and_the_wheel_is_abi3(dist):
 def test_the_wheel_installed_in_a_fresh_venv_runs_the_demo(dist, tmp_path):
     (wheel,) = dist.glob("gym_fork-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # No pip of its own (ensurepip takes ~10 s): this venv's pip installs into it.
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     # Dependencies come from this venv's site-packages, appended after the fresh venv's
     # own (a .pth line is a path, not a site dir: this venv's editable gym_fork finder is
@@ -67,7 +71,7 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_demo(dist, tmp_path):
     ).strip()
     Path(fresh_site, "deps_from_test_venv.pth").write_text(sysconfig.get_paths()["purelib"])
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", *OFFLINE, str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
