@@ -23,6 +23,18 @@ def fork() -> int:
     return os.fork()
 
 
+def live_children(parent: int) -> set[int]:
+    """Live (not yet reaped, not zombie) children of ``parent``, from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent and fields[0] != "Z":
+                    found.add(int(entry))
+    return found
+
+
 def kill_child(pid: int) -> None:
     """SIGKILL our child ``pid`` (not reaped yet, so the pid is still its own)."""
     with contextlib.suppress(ProcessLookupError):

@@ -7,7 +7,13 @@ import os
 import signal
 import time
 
-from gym_fork.system.children import child_state, fork, kill_child, read_until_closed
+from gym_fork.system.children import (
+    child_state,
+    fork,
+    kill_child,
+    live_children,
+    read_until_closed,
+)
 
 
 def test_a_childs_state_stopped_dead_and_reaped():
@@ -28,6 +34,24 @@ def test_a_childs_state_stopped_dead_and_reaped():
         kill_child(pid)
         os.waitpid(pid, 0)
     assert child_state(pid) == ""
+
+
+def test_live_children_are_ours_and_not_yet_dead():
+    pid = fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert pid in live_children(os.getpid())
+        assert pid not in live_children(os.getppid())  # our child, not our parent's
+        kill_child(pid)
+        deadline = time.monotonic() + 10
+        while pid in live_children(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pid not in live_children(os.getpid())  # a zombie is not live
+    finally:
+        kill_child(pid)
+        os.waitpid(pid, 0)
 
 
 def read(data: bytes, close: bool, limit: int = 100, seconds: float = 5.0) -> bytes:

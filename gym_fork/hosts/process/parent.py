@@ -37,7 +37,7 @@ from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.idle import IdlePool, await_assignment
 from gym_fork.hosts.process.idle import pool_size as idle_pool_size
 from gym_fork.hosts.process.sandbox import redirect_output, run_as_sandbox, serve
-from gym_fork.system import cgroups, confine, linux
+from gym_fork.system import cgroups, children, confine, linux
 from gym_fork.system.isolation import (
     Isolation,
     IsolationConfig,
@@ -76,8 +76,6 @@ class WarmParent:
         own slab, channel, side socket, stdout, stderr). Returns their pids (in the
         tree's pid namespace)."""
         per = M.FDS_PER_SANDBOX
-        sys.stdout.flush()
-        sys.stderr.flush()
         attach = self.env_source.attach_arg(request.attach)
         self.reap()  # an idle sandbox that died is out of the pool
         pids = []
@@ -85,7 +83,7 @@ class WarmParent:
             own = fds[per * k : per * (k + 1)]
             pid = self.idle.assign(M.Assign(spec, request.attach), own)
             if pid == 0:
-                pid = os.fork()
+                pid = children.fork()
                 if pid == 0:
                     self.idle.close()
                     for fd in fds:
@@ -245,10 +243,9 @@ class WarmParent:
         # of ours, so killing all our children, round after round while killed
         # sandboxes' children are reparented to us, leaves nothing of the tree.
         for _ in range(50):
-            targets = self.spawned | _children_of(self.pid)
+            targets = self.spawned | children.live_children(self.pid)
             for pid in targets:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                children.kill_child(pid)
             self.reap()
             if not targets:
                 return
@@ -293,18 +290,6 @@ class WarmParent:
                 return
 
 
-def _children_of(parent: int) -> set[int]:
-    """Live (not yet reaped) children of ``parent``, from /proc."""
-    children = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == parent and fields[0] != "Z":
-                    children.add(int(entry))
-    return children
-
-
 def watch_controller(pid: int) -> int:
     """A pidfd of the controller (our parent); exit now if it is gone already (or died
     before we watched it)."""
@@ -322,9 +307,7 @@ def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> N
     waits for it (killing it if the controller dies first), removes the tree's cgroups
     and scratch, and exits with its status."""
     me = os.pidfd_open(os.getpid())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
+    pid = children.fork()
     if pid == 0:
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         if select.select([me], [], [], 0)[0]:
