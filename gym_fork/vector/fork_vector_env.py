@@ -293,7 +293,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         pool = self.sandboxes.pool
         writer = self._actions
         assert writer is not None  # set while open
-        # A dead worker is noticed by the wait (every faults.LIVENESS_SLICE), not here: a
+        # A dead worker is noticed by the wait (ring.wait, every 0.1 s slice), not here: a
         # liveness syscall per worker per step would cost more than the step itself.
         # A worker still serving an abandoned step would read the slab's actions late:
         # until it has caught up, actions travel inside the requests (pool.py).
