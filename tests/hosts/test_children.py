@@ -3,9 +3,11 @@ one writes on a pipe, read with a size bound and a deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 from gym_fork.system.children import (
     child_state,
@@ -16,42 +18,43 @@ from gym_fork.system.children import (
 )
 
 
-def test_a_childs_state_stopped_dead_and_reaped():
+@contextlib.contextmanager
+def sleeping_child() -> Iterator[int]:
+    """A child of ours that sleeps until killed; killed and reaped at the end."""
     pid = fork()
     if pid == 0:
         time.sleep(30)
         os._exit(0)
     try:
-        os.kill(pid, signal.SIGSTOP)
-        os.waitpid(pid, os.WUNTRACED)  # it has stopped
-        assert child_state(pid) == "T"
-        kill_child(pid)
-        deadline = time.monotonic() + 10
-        while child_state(pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert child_state(pid) == "Z"  # dead, not reaped: still its pid
+        yield pid
     finally:
         kill_child(pid)
         os.waitpid(pid, 0)
+
+
+def _killed_until(pid: int, dead) -> None:
+    kill_child(pid)
+    deadline = time.monotonic() + 10
+    while not dead() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_childs_state_stopped_dead_and_reaped():
+    with sleeping_child() as pid:
+        os.kill(pid, signal.SIGSTOP)
+        os.waitpid(pid, os.WUNTRACED)  # it has stopped
+        assert child_state(pid) == "T"
+        _killed_until(pid, lambda: child_state(pid) == "Z")
+        assert child_state(pid) == "Z"  # dead, not reaped: still its pid
     assert child_state(pid) == ""
 
 
 def test_live_children_are_ours_and_not_yet_dead():
-    pid = fork()
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    try:
+    with sleeping_child() as pid:
         assert pid in live_children(os.getpid())
         assert pid not in live_children(os.getppid())  # our child, not our parent's
-        kill_child(pid)
-        deadline = time.monotonic() + 10
-        while pid in live_children(os.getpid()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _killed_until(pid, lambda: pid not in live_children(os.getpid()))
         assert pid not in live_children(os.getpid())  # a zombie is not live
-    finally:
-        kill_child(pid)
-        os.waitpid(pid, 0)
 
 
 def read(data: bytes, close: bool, limit: int = 100, seconds: float = 5.0) -> bytes:
