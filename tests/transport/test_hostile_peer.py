@@ -259,6 +259,9 @@ def test_ctrl_c_interrupts_a_read_without_timeout():
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python's own Ctrl-C handler, also where this test runs in a background job (whose
+    # shell starts it with SIGINT ignored: the read would wait forever).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.2, ctrl_c)
     try:
         timer.start()
@@ -268,6 +271,7 @@ def test_ctrl_c_interrupts_a_read_without_timeout():
     finally:
         timer.cancel()
         timer.join()
+        signal.signal(signal.SIGINT, previous)
         reader.release()
         region.close()
 
