@@ -183,19 +183,28 @@ class _RawClone:
         self.syscall = libc.syscall
         self.syscall.restype = ctypes.c_long
         libc.pthread_self.restype = ctypes.c_void_p
-        self_ptr = libc.pthread_self()
-        self.tid_at: int | None = None
-        if machine == "x86_64" and self_ptr:
-            address = self_ptr + _GLIBC_TID_OFFSET
-            if ctypes.c_int.from_address(address).value == threading.get_native_id():
-                self.tid_at = address
+        self.pthread_self = libc.pthread_self
+        self.machine = machine
+
+    @property
+    def tid_at(self) -> int | None:
+        """Where glibc keeps the calling thread's tid (asked at each call: the thread
+        that forks need not be the one that made this), None if not found."""
+        self_ptr = self.pthread_self()
+        if self.machine != "x86_64" or not self_ptr:
+            return None
+        address = self_ptr + _GLIBC_TID_OFFSET
+        if ctypes.c_int.from_address(address).value != threading.get_native_id():
+            return None
+        return address
 
     def __call__(self) -> int:
         flags = CLONE_PARENT | signal.SIGCHLD
         args = [ctypes.c_ulong(0)] * 4  # stack 0: the child goes on with a copy of ours
-        if self.tid_at is not None:
+        tid_at = self.tid_at
+        if tid_at is not None:
             flags |= CLONE_CHILD_SETTID
-            args[self.tid_slot - 1] = ctypes.c_ulong(self.tid_at)
+            args[self.tid_slot - 1] = ctypes.c_ulong(tid_at)
         # The kernel gives a new process no robust-futex list; glibc's fork registers
         # the thread's again in the child, and so do we (same address in the copy).
         head, size = ctypes.c_void_p(), ctypes.c_size_t()
@@ -225,6 +234,11 @@ def fork_sibling() -> int:
     sys.stderr.flush()
     api = ctypes.pythonapi  # void functions: their int restype is ignored
     api.PyOS_BeforeFork()
+    # After the fork hooks (one may start a thread): no other thread may hold a lock
+    # of the C library, whose own fork handlers do not run here.
+    if len(os.listdir("/proc/self/task")) != 1:
+        api.PyOS_AfterFork_Parent()
+        raise OSError(errno.EBUSY, "fork_sibling: this process has threads")
     pid = clone()
     if pid == 0:
         api.PyOS_AfterFork_Child()

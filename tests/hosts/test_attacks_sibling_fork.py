@@ -141,12 +141,6 @@ def tids():
 
 
 @needs_sibling
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: _RawClone (linux.py) keeps the struct pthread of the thread that first "
-    "called _raw_clone(): a fork_sibling from another thread gets its CLONE_CHILD_SETTID "
-    "written there, and the child's own thread keeps its source's tid",
-)
 def test_the_childs_glibc_tid_is_its_own_when_another_thread_made_the_raw_clone():
     code = (
         _CHILD_TIDS
@@ -172,13 +166,6 @@ os.wait()
 
 
 @needs_sibling
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: fork_sibling (linux.py) does not check its single-thread precondition "
-    "(sandbox.py's fan-out helpers call it after fork hooks that may start threads): with "
-    "another thread holding a glibc lock (here stdout's), the child deadlocks where an "
-    "os.fork() child would not (glibc's fork resets that lock)",
-)
 def test_fork_sibling_in_a_threaded_process_refuses_or_makes_a_sane_child():
     code = (
         MIDDLE
