@@ -26,10 +26,7 @@ inputs appears (``MAX_ZYGOTES``), then retired the same way. A zygote no vector 
 has used is killed instead: at exit (it may still be importing: an exit must not wait
 for that) and when a zygote for other start-up inputs starts.
 
-``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again);
-``GYM_FORK_ZYGOTE=shared`` (opt-in, a prototype) connects to a zygote kept across this
-user's processes instead (:func:`gym_fork.zygote_launch.connect_shared`): never killed
-nor retired by a controller, which only closes its connection.
+``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
 """
 
 from __future__ import annotations
@@ -88,18 +85,16 @@ class Zygote:
     Starting one costs the controller a ``Popen`` (milliseconds); the zygote imports in
     the background and says it is ready, which the first :meth:`fork_parent` waits for."""
 
-    def __init__(self, key: tuple, sock: socket.socket, process: subprocess.Popen | None) -> None:
+    def __init__(self, key: tuple, sock: socket.socket, process: subprocess.Popen) -> None:
         self.key = key
         self._lock = threading.Lock()
-        self.process = process  # None: a shared zygote (not ours to stop)
-        # A shared one's pid comes with its ready message.
-        self.pid: int | None = None if process is None else process.pid
+        self.process = process
         self.sock: socket.socket | None = sock
         self.ready = False
         self.forked = 0  # warm parents asked for; a zygote never asked gives way (_register)
 
     def alive(self) -> bool:
-        return self.sock is not None and (self.process is None or self.process.poll() is None)
+        return self.sock is not None and self.process.poll() is None
 
     def wait_ready(self, timeout: float) -> None:
         """Wait for the zygote's ready message (once): it started and pre-imported."""
@@ -110,8 +105,7 @@ class Zygote:
         if self.sock is None:
             raise SandboxStartError("zygote start: closed")
         if not self.ready:
-            reply, _ = M.receive_reply(self.sock, timeout, "zygote start", M.ZygoteReady)
-            self.pid = reply.pid if self.process is None else self.pid
+            M.receive_reply(self.sock, timeout, "zygote start", M.ZygoteReady)
             self.ready = True
 
     def fork_parent(
@@ -153,7 +147,7 @@ class Zygote:
     def retire(self) -> None:
         """Fork nothing more; exit once every warm parent it forked has exited (at once
         if it never forked one: then nothing of it is worth waiting for)."""
-        if not self.forked or self.process is None:
+        if not self.forked:
             self.close()
             return
         with self._lock, contextlib.suppress(OSError):
@@ -166,8 +160,6 @@ class Zygote:
         never forked a warm parent is killed: it may still be importing, and an exit
         must not wait for that."""
         self._forget()
-        if self.process is None:
-            return  # shared: our connection was all of it that was ours
         if not self.forked:
             with contextlib.suppress(OSError):
                 self.process.kill()
@@ -242,16 +234,9 @@ def _zygote_for(env: dict[str, str]) -> Zygote:
     with _registry_lock:
         zygote = _live(key)
         if zygote is None:
-            zygote = _register(_start(key, env))
+            started = start_interpreter(zygote_launch.ZYGOTE_PROGRAM, env)
+            zygote = _register(Zygote(key, *started))
     return zygote
-
-
-def _start(key: tuple, env: dict[str, str]) -> Zygote:
-    """A new zygote for ``env``: this user's shared one where asked for and usable."""
-    found = zygote_launch.connect_shared(env) if zygote_launch.shared() else None
-    if found is not None:
-        return Zygote(key, found, None)
-    return Zygote(key, *start_interpreter(zygote_launch.ZYGOTE_PROGRAM, env))
 
 
 def _live(key: tuple) -> Zygote | None:
@@ -312,15 +297,10 @@ def adopt_early() -> None:
 
 
 def running() -> list[tuple[int, int]]:
-    """(pid, controller-side socket fd) of this process's live zygotes (a shared one
-    once it said ready): tests leave them out of their leak checks, since a zygote
-    lives as long as its controller."""
+    """(pid, controller-side socket fd) of this process's live zygotes: tests leave
+    them out of their leak checks, since a zygote lives as long as its controller."""
     with _registry_lock:
-        return [
-            (z.pid, z.sock.fileno())
-            for z in _zygotes.values()
-            if z.sock is not None and z.pid is not None
-        ]
+        return [(z.process.pid, z.sock.fileno()) for z in _zygotes.values() if z.sock is not None]
 
 
 def shutdown() -> None:
