@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from gymnasium import spaces
 from gymnasium.vector.utils import batch_space
 
@@ -36,6 +37,22 @@ def test_a_branch_of_as_many_sub_envs_gets_equal_spaces_with_their_own_generator
     branch.action_space.seed(7)
     branch.action_space.sample()
     assert np.array_equal(source.action_space.sample(), expected)
+
+
+@pytest.mark.parametrize("single", [spaces.Discrete(5), spaces.Dict({"a": spaces.Discrete(3)})])
+def test_a_branchs_spaces_sample_as_batch_space_would_make_them(single):
+    """batch_space seeds the batch with a copy of the single space's generator: a branch
+    of a seeded single space samples the same, whatever its size."""
+    source = VectorSpaces(
+        single, batch_space(single, 3), single, batch_space(single, 3), [single] * 3, "same"
+    )
+    for sources in ([0, 1, 2], [0, 1]):  # as many sub-envs (copied), fewer (batched again)
+        single.seed(11)
+        expected = batch_space(single, len(sources)).sample()
+        single.seed(11)
+        branch = source.for_branch("same", sources)
+        got = branch.action_space.sample()
+        assert str(got) == str(expected), (sources, got, expected)
 
 
 def test_a_branch_of_another_size_gets_spaces_batched_for_its_size():
