@@ -9,14 +9,20 @@ it reaps it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
+from gym_fork import ForkVectorEnv
+from gym_fork.errors import SandboxStartError
 from gym_fork.system import linux
+from tests.helpers import alive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -201,3 +207,31 @@ print("refused" if pid < 0 else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 """
     )
     assert run(code)[0] in ("refused", "0")
+
+
+class ImpostorClonesEnv(gym.Wrapper):
+    """CartPole whose env code rewrites its worker so that a FORK answers with a pidfd
+    of the warm parent (its own parent) instead of its clones."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def name_the_warm_parent_as_clones(self) -> None:
+        from gym_fork.hosts.process import sandbox
+
+        sandbox._fork_siblings = lambda worker, plan, *rest: [os.getppid() for _ in plan]
+
+
+def test_a_source_naming_the_warm_parent_as_its_clone_is_refused_and_the_tree_lives():
+    env = ForkVectorEnv([ImpostorClonesEnv], lineage_log=False)
+    try:
+        env.reset(seed=0)
+        warm_parent = env.sandboxes.host.pid
+        env.call("name_the_warm_parent_as_clones")
+        with pytest.raises(SandboxStartError, match="not a new sandbox"):
+            env.fork("impostor", [0])
+        assert alive([warm_parent])  # never adopted, so never killed with the branch
+        _, rewards, _, _, _ = env.step(np.array([0]))
+        assert list(rewards) == [1.0]
+    finally:
+        env.close()

@@ -272,6 +272,28 @@ class ProcessHost(SharedByBranches):
             self._handles[next(self._handle_ids)] = handle
         return handles
 
+    def _new_members(self, watches: list[ProcessWatch], what: str) -> list[ProcessWatch]:
+        """``watches`` of the new sandboxes a warm parent or a source named, if each is a
+        new child of the warm parent: never the warm parent itself, a sandbox already
+        held, or a process outside the tree, which the controller would otherwise signal
+        and measure as its own (env code answers a FORK). Refused: SandboxStartError."""
+        held = {handle.pid for handle in self.tree()} | {self.pid}
+        try:
+            for watch in watches:
+                if watch.fd < 0:
+                    continue  # reaped already: nothing to signal
+                parent = _parent_of(watch.pid)
+                if not watch.alive():
+                    continue  # dead (its pid may name another process by now)
+                if watch.pid in held or parent != self.pid:  # alive: the pid was its own
+                    raise SandboxStartError(f"{what}: process {watch.pid} is not a new sandbox")
+                held.add(watch.pid)
+        except BaseException:
+            for watch in watches:
+                watch.close()
+            raise
+        return watches
+
     def tree(self) -> list[WorkerHandle]:
         """The live sandboxes of this warm parent's tree that the controller holds (those
         of every vector env sharing it: a root and its branches). They share one pid
@@ -306,7 +328,7 @@ class ProcessHost(SharedByBranches):
             if len(reply.pids) != len(specs):
                 M.close_fds(pidfds)
                 raise SandboxStartError(f"{what}: {len(reply.pids)} pids for {len(specs)}")
-            return reply, adopt_pidfds(reply.pids, reply.pidfds, pidfds)
+            return reply, self._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
 
         reply, watches = hand_over(ends, exchange)
         if isinstance(reply, M.Refused):
@@ -370,7 +392,7 @@ class ProcessHost(SharedByBranches):
             if reply.pids != list(pids):
                 M.close_fds(pidfds)
                 raise SandboxStartError(f"{what}: pidfds do not match")
-            return pids, adopt_pidfds(reply.pids, reply.pidfds, pidfds)
+            return pids, self._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
 
         def finish() -> list[WorkerHandle]:
             pids, watches = hand_over(ends, exchange)
@@ -496,3 +518,12 @@ class ProcessHost(SharedByBranches):
             sweep(watch.pid)
             watch.close()
         self.process = None
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` as /proc says (in our pid namespace), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
