@@ -410,10 +410,12 @@ def fork_overlapped(
             made[k] += finish()
             start_next(k)
     except BaseException:
-        for k, finish in pending:  # asked for: take the answers, then release them
-            with contextlib.suppress(Exception):
-                made[k] += finish()
-        release_all(h for handles in made for h in handles)
+        try:
+            for k, finish in pending:  # asked for: take the answers, then release them
+                with contextlib.suppress(Exception):
+                    made[k] += finish()
+        finally:  # a second Ctrl-C while answers are taken still releases what was made
+            release_all(h for handles in made for h in handles)
         raise
     return made
 

@@ -233,18 +233,28 @@ def fork_sibling() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     api = ctypes.pythonapi  # void functions: their int restype is ignored
-    api.PyOS_BeforeFork()
-    # After the fork hooks (one may start a thread): no other thread may hold a lock
-    # of the C library, whose own fork handlers do not run here.
-    if len(os.listdir("/proc/self/task")) != 1:
-        api.PyOS_AfterFork_Parent()
-        raise OSError(errno.EBUSY, "fork_sibling: this process has threads")
-    pid = clone()
-    if pid == 0:
-        api.PyOS_AfterFork_Child()
-        return 0
-    err = ctypes.get_errno()
-    api.PyOS_AfterFork_Parent()
+    # os.fork() runs its hooks and the fork in C; here they are Python calls, so signals
+    # are held off meanwhile: a handler raising between PyOS_BeforeFork and AfterFork
+    # would leave the import lock held (or a clone made and its pid lost).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    pid, err = -1, 0
+    try:
+        api.PyOS_BeforeFork()
+        try:
+            # After the fork hooks (one may start a thread): no other thread may hold a
+            # lock of the C library, whose own fork handlers do not run here.
+            if len(os.listdir("/proc/self/task")) != 1:
+                raise OSError(errno.EBUSY, "fork_sibling: this process has threads")
+            pid = clone()
+            if pid < 0:
+                err = ctypes.get_errno()
+        finally:
+            if pid == 0:
+                api.PyOS_AfterFork_Child()
+            else:
+                api.PyOS_AfterFork_Parent()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid

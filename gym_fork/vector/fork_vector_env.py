@@ -10,6 +10,8 @@ sub-envs, ``provenance`` records the lineage, ``spaces`` batches spaces and acti
 from __future__ import annotations
 
 import copy as copy_module
+import functools
+import inspect
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -42,6 +44,13 @@ __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 # The constructor's arguments that are not VectorConfig fields (the lineage's, and
 # from_parent's PrepareRecipe).
 _NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
+
+
+@functools.cache
+def _constructor_options() -> tuple[str, ...]:
+    """The names of ForkVectorEnv's constructor arguments that are VectorConfig options."""
+    names = inspect.signature(ForkVectorEnv.__init__).parameters
+    return tuple(name for name in names if name not in _NOT_OPTIONS)
 
 
 def _option(name: str) -> property:
@@ -126,8 +135,8 @@ class ForkVectorEnv(BatchMode, VectorEnv):
     ) -> None:
         # Every argument but the lineage's goes to the config as it came (one list of
         # options: the signature); from_arguments checks each and refuses unknown ones.
-        given = dict(locals())
-        options = {name: value for name, value in given.items() if name not in _NOT_OPTIONS}
+        given = locals()  # read by the signature's names only: other locals never leak in
+        options = {name: given[name] for name in _constructor_options()}
         config = VectorConfig.from_arguments(**options, prepare=_prepare)
         opened = open_root(config)
         self._open(

@@ -181,9 +181,13 @@ def test_the_one_wait_loop_checks_liveness_once_a_slice_and_ends_at_its_deadline
     assert wait(attempt, 100.25, lambda: checks.append(clock.now)) is None
     assert clock.now >= 100.25 and 240 <= len(attempts) <= 251
     assert max(attempts) == int(SLICE * 1e9) and min(attempts) < int(SLICE * 1e9)
-    # At once, then once a slice: not once per attempt.
-    assert [round(t - 100.0, 3) for t in checks] == [0.0, 0.1, 0.2]
+    # At once, then once a slice (not once per attempt), and once more at the deadline.
+    assert [round(t - 100.0, 3) for t in checks] == [0.0, 0.1, 0.2, 0.25]
     assert wait(lambda ns: None, None, lambda: "dead") == "dead"  # the check ends it
+    # A peer that died within the last slice: dead, not timed out.
+    clock.now = 200.0
+    found = iter([None, "dead"])
+    assert wait(attempt, 200.05, lambda: next(found)) == "dead"
 
 
 def test_any_ring_names_the_rings_holding_a_record_and_times_out_when_none_does():

@@ -9,6 +9,7 @@ boots a guest (:func:`boot_guest`, 13-33 s under TCG). A boot is kept on disk to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -100,11 +101,16 @@ def first_message(channel: Channel, machine: Machine, timeout: float) -> dict | 
 def boot_guest(config: MachineConfig, timeout: float) -> BranchPoint:
     """Boot a guest under ``config`` until its agent says it is booted, and freeze it
     there: a new branch point (a full boot, whatever is cached)."""
-    ram_fd = new_memfd("gym_fork-vm-boot-ram", config.memory_mb << 20)
-    state_fd = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
+    with contextlib.ExitStack() as undone_if_failing:
+        ram_fd = new_memfd("gym_fork-vm-boot-ram", config.memory_mb << 20)
+        undone_if_failing.callback(os.close, ram_fd)
+        state_fd = os.memfd_create("gym_fork-vm-boot-state", os.MFD_CLOEXEC)
+        undone_if_failing.callback(os.close, state_fd)
+        channel = Channel.create("booting VM", config.ring_capacity, poll=True)
+        undone_if_failing.callback(channel.close)
+        output = OutputCollector(echo=False)
+        undone_if_failing.pop_all()
     point = BranchPoint(ram_fd, state_fd, b"")
-    channel = Channel.create("booting VM", config.ring_capacity, poll=True)
-    output = OutputCollector(echo=False)
     machine = None
     try:
         machine = start_slabless(config, output, "boot", ram_fd, channel, incoming=False)
