@@ -243,7 +243,7 @@ def fork_sibling() -> int:
         try:
             # After the fork hooks (one may start a thread): no other thread may hold a
             # lock of the C library, whose own fork handlers do not run here.
-            if len(os.listdir("/proc/self/task")) != 1:
+            if has_threads():
                 raise OSError(errno.EBUSY, "fork_sibling: this process has threads")
             pid = clone()
             if pid < 0:
@@ -258,6 +258,14 @@ def fork_sibling() -> int:
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid
+
+
+def has_threads() -> bool:
+    """True unless this process has one thread only (unknown: threaded, the safe side)."""
+    try:
+        return len(os.listdir("/proc/self/task")) != 1
+    except OSError:
+        return True
 
 
 def can_fork_sibling() -> bool:

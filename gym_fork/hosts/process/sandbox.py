@@ -32,7 +32,7 @@ from gym_fork.system.isolation import (
     enter_sandbox,
     private_tmp_leftovers,
 )
-from gym_fork.system.linux import can_fork_sibling, die_with_parent, fork_sibling
+from gym_fork.system.linux import can_fork_sibling, die_with_parent, fork_sibling, has_threads
 from gym_fork.system.scratch import remove_scratch
 from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
@@ -250,7 +250,7 @@ def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> 
     parts = max(1, min(cores, len(plan) // FORKS_PER_HELPER))
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
     gate_write, helpers = -1, []
-    if _threaded() or not can_fork_sibling():
+    if has_threads() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
     try:
         if parts == 1 and fan.gate < 0:
@@ -291,14 +291,6 @@ def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> 
     for k, pid in forked:
         pids[k] = pid
     return pids
-
-
-def _threaded() -> bool:
-    """True unless this process has one thread only (unknown: threaded, the safe side)."""
-    try:
-        return len(os.listdir("/proc/self/task")) != 1
-    except OSError:
-        return True
 
 
 def _read_to_eof(fd: int) -> bytes:

@@ -44,10 +44,7 @@ from gym_fork import zygote_launch
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.linux import ProcessWatch, pidfd_pids
-
-# What the launch module defines, used by the warm parents' host under these names too.
-from gym_fork.zygote_launch import (  # noqa: F401
-    SANDBOX_MARKER,
+from gym_fork.zygote_launch import (
     enabled,
     start_interpreter,
     warm_parent_environment,
