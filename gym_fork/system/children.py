@@ -1,5 +1,5 @@
 """Our own child processes: forked with Python's buffers flushed, their state and
-their end, and what one writes on a pipe to us.
+their end, what one writes on a pipe to us, and our parent's.
 
 A child not reaped yet keeps its pid, so its pid names it and no other process.
 """
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from gym_fork.system.linux import wait_readable
 
@@ -39,6 +41,56 @@ def kill_child(pid: int) -> None:
     """SIGKILL our child ``pid`` (not reaped yet, so the pid is still its own)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def kill_namespace(exit_codes: dict[int, int], seconds: float = 2.0) -> None:
+    """As pid 1 of a pid namespace: kill every other process of it, however it got
+    there (kill(-1) reaches them all), and reap until none is left; their exit codes
+    go into ``exit_codes``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        exit_codes[pid] = os.waitstatus_to_exitcode(status)
+
+
+def kill_every_child(known: Callable[[], set[int]], reap: Callable[[], None]) -> None:
+    """As a child subreaper: kill all our children (``known()`` and those /proc lists)
+    and ``reap()`` them, round after round while killed children's orphans are
+    reparented to us, until none is left (at most 50 rounds, 10 ms apart)."""
+    for _ in range(50):
+        targets = known() | live_children(os.getpid())
+        for pid in targets:
+            kill_child(pid)
+        reap()
+        if not targets:
+            return
+        select.select([], [], [], 0.01)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` as /proc says (in our pid namespace), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def watch_parent(pid: int) -> int:
+    """A pidfd of our parent ``pid``; exits (70) now if it is gone already or died
+    before we watched it (then we have another parent)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(70)
+    if os.getppid() != pid:
+        os._exit(70)
+    return fd
 
 
 # SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU: a stop signal sent but not yet acted on (the

@@ -29,8 +29,7 @@ import pytest
 
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import GymForkError
-from gym_fork.hosts.process import host as process_host
-from gym_fork.hosts.process import zygote
+from gym_fork.hosts.process import preimport, zygote
 from tests.helpers import (
     _descendants,
     alive,
@@ -54,7 +53,7 @@ def zygotes_on(monkeypatch):
     monkeypatch.setenv("GYM_FORK_ZYGOTE", "1")
     monkeypatch.delenv("GYM_FORK_PREIMPORT", raising=False)
     monkeypatch.delenv("GYM_FORK_IDLE_SANDBOXES", raising=False)
-    monkeypatch.setattr(process_host, "_env_modules", process_host.EnvModules())
+    monkeypatch.setattr(preimport, "env_modules", preimport.EnvModules())
 
 
 def _fd_table() -> dict[int, str]:

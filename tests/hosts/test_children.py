@@ -1,5 +1,6 @@
-"""Our own children (gym_fork/system/children.py): their state as /proc says, and what
-one writes on a pipe, read with a size bound and a deadline."""
+"""Our own children (gym_fork/system/children.py): their state as /proc says, what
+one writes on a pipe, read with a size bound and a deadline, killing them all, and our
+parent."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import signal
 import time
 from collections.abc import Iterator
 
+from gym_fork.system import linux
 from gym_fork.system.children import (
     child_state,
     fork,
     kill_child,
+    kill_every_child,
     live_children,
+    parent_of,
     read_until_closed,
+    watch_parent,
 )
 
 
@@ -76,3 +81,66 @@ def test_what_a_writer_sends_until_it_closes_within_the_deadline():
     assert read(b"abc", close=True) == b"abc"
     assert read(b"abc", close=False, seconds=0.05) == b""  # too slow: nothing
     assert read(b"x" * 10, close=False, limit=4) == b"x" * 10  # past the bound: no wait
+
+
+def test_the_parent_of_a_process_and_of_none():
+    with sleeping_child() as pid:
+        assert parent_of(pid) == os.getpid()
+    assert parent_of(pid) is None  # reaped: gone from /proc
+    assert parent_of(os.getpid()) == os.getppid()
+
+
+def test_a_watch_of_our_parent_reads_ready_when_it_dies():
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the parent of a grandchild that watches it
+        os.close(read_end)
+        watching, watched = os.pipe()
+        grandchild = os.fork()
+        if grandchild == 0:
+            fd = watch_parent(os.getppid())
+            os.write(watched, b"w")
+            code = 0 if linux.wait_readable(fd, 10.0) else 1
+            os.write(write_end, bytes([code]))
+            os._exit(0)
+        os.close(watched)
+        os.read(watching, 1)  # the grandchild watches us (or died: EOF)
+        os._exit(0)  # its watch becomes readable
+    os.close(write_end)
+    try:
+        assert read_until_closed(read_end, 16, time.monotonic() + 20) == b"\x00"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+
+
+def test_a_subreaper_kills_its_children_and_their_orphans():
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # a subreaper with a child whose own child outlives it
+        os.close(read_end)
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+        middle = os.fork()
+        if middle == 0:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            os._exit(0)  # its child is reparented to the subreaper
+        os.waitpid(middle, 0)
+        orphans = live_children(os.getpid())
+
+        def reap() -> None:
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+
+        kill_every_child(set, reap)
+        left = live_children(os.getpid())
+        os.write(write_end, bytes([len(orphans), len(left)]))
+        os._exit(0)
+    os.close(write_end)
+    try:
+        assert read_until_closed(read_end, 16, time.monotonic() + 20) == bytes([1, 0])
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import os
 import socket
@@ -34,7 +33,7 @@ from gym_fork.hosts.base import (
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
-from gym_fork.system import cgroups
+from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
 from gym_fork.system.scratch import sweep
@@ -120,51 +119,6 @@ def hand_over(ends: list[SandboxEnds], exchange: Callable[[], Any]) -> Any:
     return result
 
 
-class EnvModules:
-    """Per controller: the modules that building each set of env_fns imports, as its
-    first warm parent found them (gym_fork/hosts/process/preimport.py), so that later
-    warm parents of the same env_fns import them at once, without a throw-away build."""
-
-    MAX_ENTRIES = 64
-    MAX_NAMES = 20000
-
-    def __init__(self) -> None:
-        self._by_digest: dict[bytes, dict[str, Any]] = {}
-
-    def known(self, env_fns: bytes) -> dict[str, Any] | None:
-        """{"modules": names, "since": when they were vetted}, None if not learnt."""
-        return self._by_digest.get(hashlib.sha256(env_fns).digest())
-
-    def made_unsafe(self, env_fns: bytes, learnt: Any) -> bool:
-        """True if the warm parent says its pre-import left it unsafe to fork from (a
-        thread, a GPU context); then these env_fns are never pre-imported again."""
-        if not (isinstance(learnt, dict) and learnt.get("unsafe")):
-            return False
-        self._remember(env_fns, {"enabled": False})
-        return True
-
-    def _remember(self, env_fns: bytes, entry: dict[str, Any]) -> None:
-        if len(self._by_digest) >= self.MAX_ENTRIES:
-            self._by_digest.pop(next(iter(self._by_digest)))
-        self._by_digest[hashlib.sha256(env_fns).digest()] = entry
-
-    def learn(self, env_fns: bytes, learnt: Any) -> None:
-        """Keep what a warm parent imported for ``env_fns`` (its reply, checked)."""
-        if not isinstance(learnt, dict) or learnt.get("unsafe"):
-            return
-        names, since = learnt.get("names"), learnt.get("since")
-        if not isinstance(names, list) or len(names) > self.MAX_NAMES:
-            return
-        if not isinstance(since, float) or not all(
-            isinstance(n, str) and preimport.is_module_name(n) for n in names
-        ):
-            return
-        self._remember(env_fns, {"modules": names, "since": since})
-
-
-_env_modules = EnvModules()
-
-
 class ProcessHost(SharedByBranches):
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
@@ -194,7 +148,7 @@ class ProcessHost(SharedByBranches):
             setup = init_message(config)
             while True:
                 reply, warm_parent = self._start(config, setup)
-                if not _env_modules.made_unsafe(setup["env_fns"], reply.preimported):
+                if not preimport.env_modules.made_unsafe(setup["env_fns"], reply.preimported):
                     break
                 # Its pre-import left threads or a GPU context in the warm parent: never
                 # fork from that; again without pre-import (remembered for these env_fns).
@@ -215,7 +169,7 @@ class ProcessHost(SharedByBranches):
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.
-        known = _env_modules.known(setup["env_fns"])
+        known = preimport.env_modules.known(setup["env_fns"])
         init = M.Init(
             setup=setup,
             preimport={"enabled": True, **(known or {})},
@@ -231,7 +185,7 @@ class ProcessHost(SharedByBranches):
             raise_prepare_failure(vars(reply), "the warm parent", trusted=config.trusted)
         (warm_parent,) = adopt_pidfds([reply.pid], reply.pidfds, fds)
         if known is None:
-            _env_modules.learn(setup["env_fns"], reply.preimported)
+            preimport.env_modules.learn(setup["env_fns"], reply.preimported)
         return reply, warm_parent
 
     def spawn(
@@ -282,7 +236,7 @@ class ProcessHost(SharedByBranches):
             for watch in watches:
                 if watch.fd < 0:
                     continue  # reaped already: nothing to signal
-                parent = _parent_of(watch.pid)
+                parent = children.parent_of(watch.pid)
                 if not watch.alive():
                     continue  # dead (its pid may name another process by now)
                 if watch.pid in held or parent != self.pid:  # alive: the pid was its own
@@ -518,12 +472,3 @@ class ProcessHost(SharedByBranches):
             sweep(watch.pid)
             watch.close()
         self.process = None
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` as /proc says (in our pid namespace), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None

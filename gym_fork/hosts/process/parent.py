@@ -37,7 +37,7 @@ from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.idle import IdlePool, await_assignment
 from gym_fork.hosts.process.idle import pool_size as idle_pool_size
 from gym_fork.hosts.process.sandbox import redirect_output, run_as_sandbox, serve
-from gym_fork.system import cgroups, children, confine, linux
+from gym_fork.system import cgroups, children, confine, linux, vetted_imports
 from gym_fork.system.isolation import (
     Isolation,
     IsolationConfig,
@@ -154,7 +154,7 @@ class WarmParent:
             return None
         known, since = request.get("modules"), request.get("since")
         if isinstance(known, list) and isinstance(since, float):
-            preimport.import_all(known, since)
+            vetted_imports.import_all(known, since)
             unsafe = preimport.fork_unsafe()
             return {"unsafe": unsafe} if unsafe else None
 
@@ -163,11 +163,7 @@ class WarmParent:
             enter_sandbox(self.isolation_config, self.tree_isolation, self.pid, None)
 
         def cleanup(pid: int) -> None:
-            # No sandbox exists yet: whatever else runs in the tree is the build's.
-            if self.is_init:
-                self._kill_namespace()
-            else:
-                self._kill_children()
+            self._kill_tree()  # no sandbox exists yet: whatever runs in the tree is the build's
             remove_sandbox_scratch(self.tree_id, pid)
             cgroups.remove(self.tree_id, pid)
 
@@ -216,40 +212,19 @@ class WarmParent:
         """Kill and reap every sandbox, then remove the tree's cgroups and scratch."""
         self.idle.close()  # idle sandboxes exit at EOF (and are killed below anyway)
         try:
-            if self.is_init:
-                self._kill_namespace()
-            else:
-                self._kill_children()
+            self._kill_tree()
         finally:
             sweep(self.tree_id)
             cgroups.remove_tree(self.tree_id)
 
-    def _kill_namespace(self) -> None:
-        # As pid 1, kill(-1) reaches every other process of the namespace, however it
-        # got there (clones, daemons, the fork bomb of an env); reap until none is left.
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(-1, signal.SIGKILL)
-            try:
-                pid, status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                return
-            self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
-
-    def _kill_children(self) -> None:
-        # Without a pid namespace this process is a child subreaper: every orphan of the
-        # tree (a clone, a daemon an env started, what a killed sandbox left) is a child
-        # of ours, so killing all our children, round after round while killed
-        # sandboxes' children are reparented to us, leaves nothing of the tree.
-        for _ in range(50):
-            targets = self.spawned | children.live_children(self.pid)
-            for pid in targets:
-                children.kill_child(pid)
-            self.reap()
-            if not targets:
-                return
-            select.select([], [], [], 0.01)
+    def _kill_tree(self) -> None:
+        """Kill and reap every other process of the tree (clones, daemons, an env's fork
+        bomb): as pid 1 of its namespace kill(-1) reaches them all; as a child subreaper
+        every orphan of the tree is a child of ours."""
+        if self.is_init:
+            children.kill_namespace(self.exit_codes)
+        else:
+            children.kill_every_child(lambda: set(self.spawned), self.reap)
 
     def serve(self) -> None:
         """Answer the controller until it says exit, closes the socket or dies."""
@@ -288,18 +263,6 @@ class WarmParent:
                 M.send(self.sock, M.WorkerExit(self.exit_codes.get(message.pid)))
             else:
                 return
-
-
-def watch_controller(pid: int) -> int:
-    """A pidfd of the controller (our parent); exit now if it is gone already (or died
-    before we watched it)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os._exit(70)
-    if os.getppid() != pid:
-        os._exit(70)
-    return fd
 
 
 def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> None:
@@ -356,7 +319,7 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
         return
     assert isinstance(init, M.Init)  # receive gives only the kinds asked for
     if controller is None:
-        controller = watch_controller(init.controller_pid)
+        controller = children.watch_parent(init.controller_pid)
         if init.die_with_controller:
             # SIGTERM (not SIGKILL) so that the cleanup below still runs.
             linux.die_with_parent(init.controller_pid, signal.SIGTERM)

@@ -9,37 +9,29 @@ appeared; the warm parent imports them, so that every sandbox forked after share
 copy-on-write. The env object itself never enters the warm parent (no threads, sockets
 or GPU context of a user's env in the process that forks every sandbox).
 
-What the throw-away sandbox reports is treated as untrusted: bounded in size, names
-checked, imports that fail are skipped (the sandboxes import on their own then).
-The names come from env code, trusted or not: they select only installed packages whose
-files no sandbox can write (every sandbox sees the host read-only) and that are older
-than the build, so the warm parent runs code the user installed, never code a sandbox
-wrote.
+What the throw-away sandbox reports is treated as untrusted: bounded in size, and
+imported only as gym_fork/system/vetted_imports.py allows (installed packages whose
+files are older than the build: code the user installed, never code a sandbox wrote);
+imports that fail are skipped (the sandboxes import on their own then).
 The controller keeps the names per env_fns, so a later warm parent of the same env_fns
-imports them at once (``gym_fork.hosts.process.host.EnvModules``).
+imports them at once (:class:`EnvModules`).
 ``GYM_FORK_PREIMPORT=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
-import importlib.abc
-import importlib.util
+import hashlib
 import os
-import re
-import stat
 import sys
 import time
-import warnings
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
+from gym_fork.system import vetted_imports
 from gym_fork.system.children import fork, kill_child, read_until_closed
 
 MAX_REPORT_BYTES = 4 << 20
-_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def enabled() -> bool:
@@ -85,7 +77,7 @@ def preimport(
         cleanup(pid)
     if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0 or not report:
         return None  # it failed or was too slow: the sandboxes import on their own
-    return import_all(report.decode("utf-8", "replace").split("\n"), since), since
+    return vetted_imports.import_all(report.decode("utf-8", "replace").split("\n"), since), since
 
 
 def _child(build, enter_sandbox, close_in_child: list[int], write_end: int) -> None:
@@ -133,120 +125,46 @@ def fork_unsafe() -> str | None:
     return None
 
 
-def is_module_name(name: str) -> bool:
-    """A dotted Python module name, none of whose parts is ``__main__`` (importing
-    ``pkg.__main__`` runs a program)."""
-    return (
-        len(name) <= 512
-        and _MODULE_NAME.fullmatch(name) is not None
-        and "__main__" not in name.split(".")
-    )
+class EnvModules:
+    """Per controller: the modules that building each set of env_fns imports, as its
+    first warm parent found them (:func:`preimport`), so that later
+    warm parents of the same env_fns import them at once, without a throw-away build."""
 
+    MAX_ENTRIES = 64
+    MAX_NAMES = 20000
 
-def import_all(names: list[str], since: float) -> list[str]:
-    """Import each of ``names`` that passes :func:`_wanted`, under :class:`_OnlyOlderFiles`
-    (skipping any that fails in any way); returns the names imported here, in order (what
-    a later warm parent of the same env_fns may import again, against the same ``since``)."""
-    imported = []
-    guard = _OnlyOlderFiles(since)
-    sys.meta_path.insert(0, guard)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecated aliases warn in the sandboxes
-            for name in names:
-                if not _wanted(name):
-                    continue
-                try:
-                    importlib.import_module(name)
-                except BaseException:
-                    sys.modules.pop(name, None)
-                    continue
-                imported.append(name)
-    finally:
-        sys.meta_path.remove(guard)
-    if imported:
-        gc.collect()
-        gc.freeze()
-    return imported
+    def __init__(self) -> None:
+        self._by_digest: dict[bytes, dict[str, Any]] = {}
 
+    def known(self, env_fns: bytes) -> dict[str, Any] | None:
+        """{"modules": names, "since": when they were vetted}, None if not learnt."""
+        return self._by_digest.get(hashlib.sha256(env_fns).digest())
 
-def _wanted(name: object) -> bool:
-    """A name worth importing: valid, not imported yet, its parent package imported
-    already, and (for a top-level name) an installed package, found in a
-    ``site-packages`` or ``dist-packages`` directory or under the user's ``PYTHONPATH``:
-    not the standard library (small,
-    and some of its modules act when imported: ``antigravity``, ``this``), not a
-    script of the user's (a ``train.py`` next to the program runs when imported)."""
-    if not isinstance(name, str) or not is_module_name(name) or name in sys.modules:
-        return False
-    parent = name.rpartition(".")[0]
-    if parent and parent not in sys.modules:
-        return False
-    if parent:
-        return True  # the package was vetted (or imported before); its file is checked
-    try:
-        spec = importlib.util.find_spec(name)
-    except BaseException:
-        return False
-    return spec is not None and spec.has_location and _installed(spec.origin or "")
-
-
-class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
-    """While the warm parent pre-imports: every module it loads (the names asked for and
-    whatever they import) must come from files whose status changed before ``since``.
-
-    The names come from env code running as root: it could write a module where the warm
-    parent would find it, or bytecode for an existing one. A write, a rename and ``utime``
-    all set a file's ctime, and nothing in a sandbox can set it back (that needs the
-    clock: CAP_SYS_TIME). A cached bytecode file newer than ``since`` (the build may have
-    written it) is removed, so that the checked source is compiled instead."""
-
-    def __init__(self, since: float) -> None:
-        self.since = since
-
-    def find_spec(self, name, path, target=None):
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.has_location and not self._older(spec.origin, spec.cached):
-            raise ImportError(f"{name}: its file changed after the pre-import build started")
-        return spec
-
-    def _older(self, origin: str | None, cached: str | None) -> bool:
-        if origin is None:
+    def made_unsafe(self, env_fns: bytes, learnt: Any) -> bool:
+        """True if the warm parent says its pre-import left it unsafe to fork from (a
+        thread, a GPU context); then these env_fns are never pre-imported again."""
+        if not (isinstance(learnt, dict) and learnt.get("unsafe")):
             return False
-        try:
-            status = os.stat(origin)
-        except (OSError, TypeError):
-            return False
-        if not stat.S_ISREG(status.st_mode) or status.st_ctime >= self.since:
-            return False
-        if cached and cached != origin:
-            try:
-                if os.stat(cached).st_ctime >= self.since:
-                    os.unlink(cached)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                return False
+        self._remember(env_fns, {"enabled": False})
         return True
 
+    def _remember(self, env_fns: bytes, entry: dict[str, Any]) -> None:
+        if len(self._by_digest) >= self.MAX_ENTRIES:
+            self._by_digest.pop(next(iter(self._by_digest)))
+        self._by_digest[hashlib.sha256(env_fns).digest()] = entry
 
-def _installed(path: str) -> bool:
-    """In a ``site-packages``/``dist-packages`` directory, or under a directory the
-    user put on ``PYTHONPATH`` (not gym_fork's own root, which the host adds)."""
-    real = os.path.realpath(path)
-    parts = real.split(os.sep)
-    if "site-packages" in parts or "dist-packages" in parts:
-        return True
-    ours = os.path.realpath(Path(__file__).parents[3])  # the directory holding gym_fork
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        root = os.path.realpath(entry) if entry else ""
-        if root and root != ours and real.startswith(root + os.sep):
-            return True
-    return False
+    def learn(self, env_fns: bytes, learnt: Any) -> None:
+        """Keep what a warm parent imported for ``env_fns`` (its reply, checked)."""
+        if not isinstance(learnt, dict) or learnt.get("unsafe"):
+            return
+        names, since = learnt.get("names"), learnt.get("since")
+        if not isinstance(names, list) or len(names) > self.MAX_NAMES:
+            return
+        if not isinstance(since, float) or not all(
+            isinstance(n, str) and vetted_imports.is_module_name(n) for n in names
+        ):
+            return
+        self._remember(env_fns, {"modules": names, "since": since})
+
+
+env_modules = EnvModules()  # the controller's

@@ -34,15 +34,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import resource
 import socket
 import subprocess
 import threading
-from typing import Any
 
 from gym_fork import zygote_launch
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.process import messages as M
+from gym_fork.system.inherited import inherited_state
 from gym_fork.system.linux import ProcessWatch, pidfd_pids
 from gym_fork.zygote_launch import (
     enabled,
@@ -53,27 +52,6 @@ from gym_fork.zygote_launch import (
 
 # Zygotes kept at once (one per set of start-up inputs); older ones are retired.
 MAX_ZYGOTES = 2
-
-
-def process_state() -> dict[str, Any]:
-    """What a fresh interpreter would inherit from the controller besides its
-    environment, as it is now: a zygote started earlier passes it to each warm parent."""
-    umask = None
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                umask = int(line.split()[1], 8)
-    limits = {}
-    for name in dir(resource):
-        if name.startswith("RLIMIT_"):
-            with contextlib.suppress(OSError, ValueError):
-                limits[name] = list(resource.getrlimit(getattr(resource, name)))
-    return {
-        "umask": umask,
-        "rlimits": limits,
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "nice": os.getpriority(os.PRIO_PROCESS, 0),
-    }
 
 
 class Zygote:
@@ -118,7 +96,7 @@ class Zygote:
                 self.forked += 1
                 self._wait_ready(timeout)
                 assert self.sock is not None  # _wait_ready refuses a closed zygote
-                request = M.ForkWarmParent(environ, process_state())
+                request = M.ForkWarmParent(environ, inherited_state())
                 M.send(self.sock, request, (theirs.fileno(), out_fd, err_fd))
                 reply, fds = M.receive_reply(
                     self.sock, timeout, "zygote fork", M.WarmParentForked, M.Refused

@@ -14,36 +14,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import resource
 import select
 import signal
 import socket
 import sys
 import traceback
-from typing import Any
 
 # What every warm parent imports, once: its forks share these pages.
 import gymnasium.envs.registration  # noqa: F401
 
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import parent
-from gym_fork.system import children, confine, linux
-
-
-def apply_process_state(state: dict[str, Any]) -> None:
-    """In a warm parent forked by a zygote: take on the controller's process state
-    (gym_fork.hosts.process.zygote.process_state; each part best effort: a limit the
-    zygote cannot set is left as it is)."""
-    if isinstance(state.get("umask"), int):
-        os.umask(state["umask"])
-    for name, (soft, hard) in (state.get("rlimits") or {}).items():
-        if name.startswith("RLIMIT_") and hasattr(resource, name):
-            with contextlib.suppress(OSError, ValueError):
-                resource.setrlimit(getattr(resource, name), (soft, hard))
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        os.sched_setaffinity(0, state["affinity"])
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        os.setpriority(os.PRIO_PROCESS, 0, state["nice"])
+from gym_fork.system import children, confine, inherited, linux
 
 
 class ZygoteProcess:
@@ -117,7 +99,7 @@ class ZygoteProcess:
             M.close_fds([out_fd, err_fd])
             os.environ.clear()
             os.environ.update(request.environ)
-            apply_process_state(request.state)
+            inherited.take_on(request.state)
             parent.run(socket.socket(fileno=parent_end), controller=self.controller)
             code = 0
         except SystemExit as exc:
@@ -134,7 +116,7 @@ class ZygoteProcess:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
-    controller = parent.watch_controller(os.getppid())
+    controller = children.watch_parent(os.getppid())
     with contextlib.suppress(Exception):  # a warm parent reports the reason itself
         confine.prepare_seccomp()  # built once (~8 ms); every fork only loads it
     # Frozen without a full collection first: the imports leave no cyclic garbage (0
