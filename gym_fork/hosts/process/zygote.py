@@ -21,10 +21,9 @@ warm parents get SIGTERM when it exits (PDEATHSIG) and take their trees down, so
 zygote that failed one request is retired, never closed: it forks nothing more and
 exits once its last warm parent has. A zygote whose start-up inputs no longer match
 the controller's (interpreter, uid/gid, ``PYTHON*``, ``LD_*``, ``MALLOC_*``,
-``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is kept until a third set of
-inputs appears (``MAX_ZYGOTES``), then retired the same way. A zygote no vector env
-has used is killed instead: at exit (it may still be importing: an exit must not wait
-for that) and when a zygote for other start-up inputs starts.
+``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is retired the same way when
+a zygote for the new inputs starts: one is live at a time. A zygote no vector env has
+used is killed instead (it may still be importing: an exit must not wait for that).
 
 ``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
 """
@@ -49,9 +48,6 @@ from gym_fork.zygote_launch import (
     warm_parent_environment,
     zygote_key,
 )
-
-# Zygotes kept at once (one per set of start-up inputs); older ones are retired.
-MAX_ZYGOTES = 2
 
 
 class Zygote:
@@ -224,14 +220,11 @@ def _live(key: tuple) -> Zygote | None:
 
 
 def _register(zygote: Zygote) -> Zygote:
-    """Add a new zygote, under the lock. It retires those no vector env ever used (one
-    started early, under start-up inputs the controller changed since) and the oldest
-    beyond ``MAX_ZYGOTES``."""
-    _zygotes[zygote.key] = zygote
-    for other in [k for k, z in _zygotes.items() if k != zygote.key and not z.forked]:
+    """Make ``zygote`` the live one, under the lock: the one before (for start-up inputs
+    the controller has changed since) is retired."""
+    for other in [key for key in _zygotes if key != zygote.key]:
         _zygotes.pop(other).retire()
-    while len(_zygotes) > MAX_ZYGOTES:
-        _zygotes.pop(next(iter(_zygotes))).retire()
+    _zygotes[zygote.key] = zygote
     return zygote
 
 
