@@ -237,9 +237,11 @@ def test_make_vec_env_builds_it(closing):
 
 
 @pytest.mark.slow
-def test_ppo_learns_cartpole(closing):
+def test_ppo_learns_cartpole(closing, tmp_path, monkeypatch):
     """PPO on 8 sandboxed CartPoles reaches a mean return >= 150 within 30k steps."""
     import torch
+
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path))  # SB3's logger makes a folder, else in /tmp
     from stable_baselines3 import PPO
     from stable_baselines3.common.evaluation import evaluate_policy
 
