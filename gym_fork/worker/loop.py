@@ -341,8 +341,11 @@ class Worker:
             except Exception:
                 traceback.print_exc(file=sys.stderr)
 
-    def run(self) -> None:
-        """Serve requests until CLOSE. Every request gets exactly one reply."""
+    def run(self, first_wait_asleep: bool = False) -> None:
+        """Serve requests until CLOSE. Every request gets exactly one reply.
+
+        ``first_wait_asleep``: wait for the first request asleep (futex) from the start,
+        not spinning first; later waits spin as usual."""
         handlers: dict[int, Handler] = {
             P.RESET: self.reset,
             P.STEP: self.step,
@@ -352,8 +355,10 @@ class Worker:
             **self.extra_handlers(),
         }
         channel = self.channel
+        receive = self._recv_asleep if first_wait_asleep else channel.recv
         while True:
-            op, seq, arg = channel.recv()
+            op, seq, arg = receive()
+            receive = channel.recv
             if op == P.CLOSE:
                 self.close_envs()
                 channel.send([P.CLOSE, seq, self.on_close(), None])
@@ -383,6 +388,14 @@ class Worker:
                 # An info or call result that cannot travel: report it, lose nothing else.
                 record = pack([op, seq, None, [error_record(self.indices[0], exc)]])
             channel.send_raw(record)
+
+    def _recv_asleep(self) -> Any:
+        ring = self.channel.inbox
+        spin, ring.spin = ring.spin, 0
+        try:
+            return self.channel.recv()
+        finally:
+            ring.spin = spin
 
     def _guarded(self, function: Callable[[Any], Any]) -> Handler:
         """A handler whose exception is the worker's error, not a per-sub-env one."""
