@@ -44,6 +44,11 @@ def wait_readable(fd: int, timeout: float | None) -> bool:
     return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
+# The pid of a watch of a process reaped before we got a pidfd of it: none. Nothing
+# signals by a watch's pid (only by its pidfd), and /proc/-1 never exists.
+NO_PID = -1
+
+
 class ProcessWatch:
     """Liveness of a process that is not our child, through a pidfd."""
 
@@ -163,6 +168,7 @@ def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
 
 # -- fork() with the child born a sibling (CLONE_PARENT) ---------------------------------
 
+CLONE_PIDFD = 0x00001000
 CLONE_PARENT = 0x00008000
 CLONE_CHILD_SETTID = 0x01000000
 # Per machine: the numbers of clone, set_robust_list and get_robust_list, and where
@@ -198,9 +204,13 @@ class _RawClone:
             return None
         return address
 
-    def __call__(self) -> int:
-        flags = CLONE_PARENT | signal.SIGCHLD
+    def __call__(self) -> tuple[int, int]:
+        flags = CLONE_PARENT | CLONE_PIDFD | signal.SIGCHLD
         args = [ctypes.c_ulong(0)] * 4  # stack 0: the child goes on with a copy of ours
+        # clone(2) without CLONE_PARENT_SETTID: parent_tid is where the kernel writes
+        # the pidfd (in our memory only: the child's copy was made before).
+        pidfd = ctypes.c_int(-1)
+        args[1] = ctypes.c_ulong(ctypes.addressof(pidfd))
         tid_at = self.tid_at
         if tid_at is not None:
             flags |= CLONE_CHILD_SETTID
@@ -214,19 +224,22 @@ class _RawClone:
         pid = self.syscall(ctypes.c_long(self.clone), ctypes.c_ulong(flags), *args)
         if pid == 0 and robust == 0 and head.value:
             self.syscall(ctypes.c_long(self.set_robust), head, size)
-        return pid
+        return pid, pidfd.value if pid > 0 else -1
 
 
-def fork_sibling() -> int:
+def fork_sibling() -> tuple[int, int]:
     """Like ``os.fork()``, but the child is born a child of our parent (clone(2) with
     CLONE_PARENT), not of us: no intermediate process that forks it and exits so that
-    it is orphaned and adopted. Python's fork hooks run as for ``os.fork()``
-    (PyOS_BeforeFork, PyOS_AfterFork_Child/Parent: ``os.register_at_fork``, the import
-    lock, threading's state); the child's glibc thread id and robust-futex list are set
-    as glibc's fork sets them. glibc's own pthread_atfork handlers do not run: call it
-    only from a single-threaded process (no lock can be held by another thread), and
-    not from a pid namespace's init (the kernel refuses it: EINVAL). Returns 0 in the
-    child, its pid in the parent; OSError if the kernel refuses (nothing was forked)."""
+    it is orphaned and adopted; and we get a pidfd of it (CLONE_PIDFD), a handle on it
+    that no reaping by its parent can make name another process. Python's fork hooks
+    run as for ``os.fork()`` (PyOS_BeforeFork, PyOS_AfterFork_Child/Parent:
+    ``os.register_at_fork``, the import lock, threading's state); the child's glibc
+    thread id and robust-futex list are set as glibc's fork sets them. glibc's own
+    pthread_atfork handlers do not run: call it only from a single-threaded process
+    (no lock can be held by another thread), and not from a pid namespace's init (the
+    kernel refuses it: EINVAL). Returns ``(0, -1)`` in the child, ``(pid, pidfd)`` in
+    the parent (the pidfd is the caller's to close); OSError if the kernel refuses
+    (nothing was forked)."""
     clone = _raw_clone()
     if clone is None or clone.tid_at is None:
         raise OSError(errno.ENOSYS, "fork_sibling: not on this platform (can_fork_sibling)")
@@ -237,7 +250,7 @@ def fork_sibling() -> int:
     # are held off meanwhile: a handler raising between PyOS_BeforeFork and AfterFork
     # would leave the import lock held (or a clone made and its pid lost).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    pid, err = -1, 0
+    pid, pidfd, err = -1, -1, 0
     try:
         api.PyOS_BeforeFork()
         try:
@@ -245,7 +258,7 @@ def fork_sibling() -> int:
             # lock of the C library, whose own fork handlers do not run here.
             if has_threads():
                 raise OSError(errno.EBUSY, "fork_sibling: this process has threads")
-            pid = clone()
+            pid, pidfd = clone()
             if pid < 0:
                 err = ctypes.get_errno()
         finally:
@@ -257,7 +270,7 @@ def fork_sibling() -> int:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
-    return pid
+    return pid, pidfd
 
 
 def has_threads() -> bool:

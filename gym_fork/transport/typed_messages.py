@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
 from gym_fork.errors import ControlMessageError, SandboxStartError
-from gym_fork.system.linux import ProcessWatch, pidfd_pids, wait_readable
+from gym_fork.system.linux import NO_PID, ProcessWatch, pidfd_pids, wait_readable
 from gym_fork.transport.control import recv_message, send_message
 
 MAX_ITEMS = 4096  # items of one list or dict in a message
@@ -69,25 +69,34 @@ def send(sock: socket.socket, message: Message, fds: tuple[int, ...] | list[int]
     send_message(sock, message.encode(), fds=tuple(fds))
 
 
-def send_with_pidfds(sock: socket.socket, message: Message, pids: list[int]) -> None:
+def send_with_pidfds(
+    sock: socket.socket, message: Message, pids: list[int], pidfds: list[int] | None = None
+) -> None:
     """Send ``message`` with a pidfd of each of ``pids`` (the receiver learns their pids
     in its own namespace from them); its ``pidfds`` says which came (a process already
-    reaped has none)."""
-    fds = []
-    for pid in pids:
-        try:
-            fds.append(os.pidfd_open(pid))
-        except ProcessLookupError:
-            fds.append(-1)
+    reaped has none). ``pidfds``: the caller's own pidfds of them, sent as they are
+    (and not closed); without them each pid is opened now."""
+    opened = [_pidfd_or_none(pid) for pid in pids] if pidfds is None else []
+    fds = opened if pidfds is None else pidfds
     try:
         if "pidfds" not in {f.name for f in dataclasses.fields(message)}:
             raise TypeError(f"{message.OP} has no pidfds field")
+        if len(fds) != len(pids):
+            raise ValueError(f"{message.OP}: {len(fds)} pidfds for {len(pids)} processes")
         message = dataclasses.replace(message, **{"pidfds": [fd >= 0 for fd in fds]})
         send(sock, message, [fd for fd in fds if fd >= 0])
     finally:
-        for fd in fds:
+        for fd in opened:
             if fd >= 0:
                 os.close(fd)
+
+
+def _pidfd_or_none(pid: int) -> int:
+    """A new pidfd of ``pid``, -1 if there is no such process (reaped)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
 
 
 def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> list[ProcessWatch]:
@@ -95,7 +104,13 @@ def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> 
     from the pidfds that came with its message (``present``: its ``pidfds``, see
     :func:`send_with_pidfds`), each with the process's pid in ours. A peer that sends
     anything but a pidfd of each process is refused (SandboxStartError, every fd
-    closed): a receiver never signals or inspects a pid it was merely told."""
+    closed): a receiver never signals or inspects a pid it was merely told.
+
+    A process reaped already (no pidfd came, or its pidfd says so) gets a watch that
+    says dead with pid :data:`~gym_fork.system.linux.NO_PID`: the pid the peer named
+    may be another process's in our namespace by now (or always was), and handles
+    pass their watch's pid to what reads /proc (isolation, memory, GPU evidence,
+    stop state)."""
     rest = list(fds)
     watches: list[ProcessWatch] = []
     try:
@@ -103,11 +118,11 @@ def adopt_pidfds(local_pids: list[int], present: list[bool], fds: list[int]) -> 
             raise SandboxStartError(f"expected a pidfd per process, got {len(fds)}")
         for local, has_fd in zip(local_pids, present, strict=True):
             if not has_fd:  # reaped already: a watch that says dead
-                watches.append(ProcessWatch(local, -1))
+                watches.append(ProcessWatch(NO_PID, -1))
                 continue
             fd = rest.pop(0)
             pids = pidfd_pids(fd)
-            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else local, fd))
+            watches.append(ProcessWatch(pids[0] if pids and pids[0] > 0 else NO_PID, fd))
             if not pids or pids[-1] not in (local, -1):
                 raise SandboxStartError(f"not a pidfd of process {local}")
     except BaseException:

@@ -72,7 +72,7 @@ if middle == 0:
     lock = threading.Lock()
     sane = not _imp.lock_held() and lock.acquire(timeout=1)  # the import lock is released
     resource.setrlimit(resource.RLIMIT_NPROC, resource.getrlimit(resource.RLIMIT_NPROC)[1:] * 2)
-    pid = linux.fork_sibling()
+    pid, _ = linux.fork_sibling()
     if pid == 0:
         os._exit(7)
     os.write(w, f"{refused} {sane} {pid}".encode())
@@ -118,7 +118,7 @@ import signal
 if middle == 0:
     pids = []
     for _ in range(3):
-        pid = linux.fork_sibling()
+        pid, _ = linux.fork_sibling()
         if pid == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         pids.append(pid)
@@ -157,7 +157,7 @@ made.join()
 r, w = os.pipe()
 middle = os.fork()
 if middle == 0:
-    if linux.fork_sibling() == 0:
+    if linux.fork_sibling()[0] == 0:
         glibc, real = tids()
         os.write(w, str(glibc == real).encode())
         os._exit(0)
@@ -191,7 +191,7 @@ if middle == 0:
     threading.Thread(target=hold, daemon=True).start()
     held.wait()
     try:
-        pid = linux.fork_sibling()
+        pid, _ = linux.fork_sibling()
     except OSError:
         pid = -1
     if pid == 0:
@@ -219,7 +219,13 @@ class ImpostorClonesEnv(gym.Wrapper):
     def name_the_warm_parent_as_clones(self) -> None:
         from gym_fork.hosts.process import sandbox
 
-        sandbox._fork_siblings = lambda worker, plan, *rest: [os.getppid() for _ in plan]
+        def impostor(worker, plan, *rest):
+            made = sandbox._Made()
+            for k in range(len(plan)):
+                made.add(k, linux.ProcessWatch(os.getppid()))
+            return made
+
+        sandbox._fork_siblings = impostor
 
 
 def test_a_source_naming_the_warm_parent_as_its_clone_is_refused_and_the_tree_lives():

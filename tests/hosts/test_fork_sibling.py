@@ -52,8 +52,10 @@ if middle == 0:
         os.close(read_end)
         hooks.clear()
         robust = robust_head()
-        if linux.fork_sibling() == 0:
+        pid, pidfd = linux.fork_sibling()
+        if pid == 0:
             tid_ok = robust_head() == robust != 0  # registered again, as glibc's fork does
+            tid_ok &= pidfd == -1
             if platform.machine() == "x86_64":
                 libc = ctypes.CDLL(None)
                 libc.pthread_self.restype = ctypes.c_void_p
@@ -62,6 +64,8 @@ if middle == 0:
             os.write(write_end, f"{os.getppid() == me} {hooks} {tid_ok} {os.getpid()}".encode())
             os._exit(0)
         code = 0 if hooks == [] else 2  # the child's hook ran in the child only
+        if linux.pidfd_pids(pidfd) != [pid]:
+            code = 3  # CLONE_PIDFD: we hold a pidfd of the sibling
     finally:
         os._exit(code)
 os.close(write_end)

@@ -1,0 +1,117 @@
+"""A FORK that fails midway leaves no clone running (gym_fork/hosts/process/sandbox.py):
+a clone that cannot be made (the pids cgroup's pids.max reached, in the worker, a helper
+or the double fork's helper), or snapshots that never finish (env code in a clone holds
+the snapshot pipe open), fail the FORK with an error that says why, and the clones made
+so far are killed by pidfd. Leftovers are looked for where clones live: among the warm
+parent's children (and a double fork's source's), not the controller's descendants.
+
+Root is exempt from RLIMIT_NPROC (and a sandbox cannot change its uid), so the kernel's
+own EAGAIN comes from the pids cgroup limit, which binds root and which a clone shares
+with its source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork import ForkVectorEnv
+from gym_fork.errors import SubEnvError
+from gym_fork.system import cgroups
+from gym_fork.system.children import live_children
+from gym_fork.system.isolation import SandboxLimits
+from tests.helpers import wait_until
+
+needs_pids_cgroup = pytest.mark.skipif(
+    cgroups.controller_root("pids") is None, reason="no writable pids cgroup controller"
+)
+
+
+def cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+class ThreadedEnv(gym.Wrapper):
+    """CartPole with a second thread in its sandbox: its FORK takes the double fork."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+
+class SnapshotHolderEnv(gym.Wrapper):
+    """CartPole whose env code, once armed, runs in each clone from its first
+    instruction (an at-fork hook) and keeps a copy of every fd it inherited: the
+    snapshot pipe's write end among them, so its source never sees EOF."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def hold_inherited_fds(self, timeout: float) -> None:
+        from gym_fork.hosts.process import sandbox
+
+        sandbox.SNAPSHOT_TIMEOUT = timeout
+        held: list[int] = []
+
+        def keep_all() -> None:
+            for fd in range(3, 512):
+                with contextlib.suppress(OSError):  # not open
+                    held.append(os.dup(fd))
+
+        os.register_at_fork(after_in_child=keep_all)
+
+
+def _fails_and_leaves_nothing(env: ForkVectorEnv, copies: int, match: str) -> None:
+    """``env.fork`` of ``copies`` clones raises SubEnvError matching ``match``, no clone
+    of it runs afterwards, and the source steps on."""
+    warm_parent = env.sandboxes.host.pid
+    source = env.worker_pids[0]
+    before = live_children(warm_parent)
+    with pytest.raises(SubEnvError, match=match):
+        env.fork("doomed", [0], copies=copies)
+    # No clone stays among the warm parent's children (nor the source's: a double
+    # fork's helper is its child until it exits).
+    assert wait_until(lambda: live_children(warm_parent) == before, 2.0), (
+        live_children(warm_parent) - before
+    )
+    assert live_children(source) == set()
+    _, rewards, _, _, _ = env.step(np.array([0]))
+    assert list(rewards) == [1.0]
+
+
+@needs_pids_cgroup
+@pytest.mark.parametrize(
+    ("env_fn", "processes", "copies", "match"),
+    [
+        # Forked by the worker itself: clone 3 is refused (source + 2 clones = pids.max).
+        (cartpole, 3, 6, r"clone 3 of 6 could not be made \(.*Errno 11"),
+        # 40 clones are forked by helpers (one per core, up to 40 // 16): pids.max stops
+        # them about halfway, after each has made and reported some.
+        (cartpole, 20, 40, r"could not be made .*clones made of 40 are killed"),
+        # The double fork: the source counts 2 tasks (threads count), its helper 1.
+        (ThreadedEnv, 5, 6, r"clone 3 of 6 could not be made .*Errno 11"),
+    ],
+    ids=["by-the-worker", "by-helpers", "double-fork"],
+)
+def test_a_fan_out_failing_midway_kills_every_clone_made(env_fn, processes, copies, match):
+    env = ForkVectorEnv([env_fn], lineage_log=False, limits=SandboxLimits(processes=processes))
+    try:
+        env.reset(seed=0)
+        _fails_and_leaves_nothing(env, copies, match)
+    finally:
+        env.close()
+
+
+def test_clones_that_hold_the_snapshot_pipe_fail_the_fork_at_its_deadline():
+    env = ForkVectorEnv([SnapshotHolderEnv], lineage_log=False)
+    try:
+        env.reset(seed=0)
+        env.call("hold_inherited_fds", 0.5)
+        _fails_and_leaves_nothing(env, 2, r"did not take their snapshot .* within 0.5 s")
+    finally:
+        env.close()
