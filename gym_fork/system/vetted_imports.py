@@ -37,7 +37,7 @@ def is_module_name(name: str) -> bool:
 def import_all(names: list[str], since: float) -> list[str]:
     """Import each of ``names`` that passes :func:`_wanted`, under :class:`_OnlyOlderFiles`
     (skipping any that fails in any way); returns the names imported here, in order (what
-    a later warm parent of the same env_fns may import again, against the same ``since``)."""
+    a later importer may import again, against the same ``since``)."""
     imported = []
     guard = _OnlyOlderFiles(since)
     sys.meta_path.insert(0, guard)
@@ -83,7 +83,7 @@ def _wanted(name: object) -> bool:
 
 
 class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
-    """While the warm parent pre-imports: every module it loads (the names asked for and
+    """While :func:`import_all` runs: every module it loads (the names asked for and
     whatever they import) must come from files whose status changed before ``since``.
 
     The names come from env code running as root: it could write a module where the warm
@@ -105,7 +105,7 @@ class _OnlyOlderFiles(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.has_location and not self._older(spec.origin, spec.cached):
-            raise ImportError(f"{name}: its file changed after the pre-import build started")
+            raise ImportError(f"{name}: its file changed after {self.since} (the vetting time)")
         return spec
 
     def _older(self, origin: str | None, cached: str | None) -> bool:
@@ -135,7 +135,7 @@ def _installed(path: str) -> bool:
     parts = real.split(os.sep)
     if "site-packages" in parts or "dist-packages" in parts:
         return True
-    ours = os.path.realpath(Path(__file__).parents[2])  # the directory holding gym_fork
+    ours = str(Path(os.path.realpath(__file__)).parents[2])  # the directory holding gym_fork
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         root = os.path.realpath(entry) if entry else ""
         if root and root != ours and real.startswith(root + os.sep):

@@ -123,7 +123,7 @@ def test_a_subreaper_kills_its_children_and_their_orphans():
         middle = os.fork()
         if middle == 0:
             if os.fork() == 0:
-                time.sleep(30)
+                time.sleep(5)  # bounded: a leak if kill_every_child misses it
                 os._exit(0)
             os._exit(0)  # its child is reparented to the subreaper
         os.waitpid(middle, 0)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import pytest
 
+import gym_fork
 from gym_fork.system import vetted_imports
 
 
@@ -60,3 +62,11 @@ def test_a_file_changed_after_the_build_began_is_not_imported(tmp_path, monkeypa
         assert vetted_imports.import_all(["gf_pre_new"], since) == []
     finally:
         sys.modules.pop("gf_pre_new", None)
+
+
+def test_gym_forks_own_root_on_pythonpath_is_not_an_installed_place(tmp_path, monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gym_fork.__file__)))
+    monkeypatch.setenv("PYTHONPATH", root)  # the host adds it for the warm parent
+    assert not vetted_imports._installed(os.path.join(root, "train.py"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # one the user added
+    assert vetted_imports._installed(str(tmp_path / "train.py"))

@@ -202,11 +202,15 @@ def start_warm_parent(
 def _zygote_for(env: dict[str, str]) -> Zygote:
     """The live zygote for ``env``'s key, started if there is none."""
     key = zygote_key(env)
+    displaced = []
     with _registry_lock:
         zygote = _live(key)
         if zygote is None:
             started = start_interpreter(zygote_launch.ZYGOTE_PROGRAM, env)
-            zygote = _register(Zygote(key, *started))
+            zygote = Zygote(key, *started)
+            displaced = _register(zygote)
+    for old in displaced:  # outside the lock: one may be busy forking for another thread
+        old.retire()
     return zygote
 
 
@@ -219,13 +223,13 @@ def _live(key: tuple) -> Zygote | None:
     return zygote
 
 
-def _register(zygote: Zygote) -> Zygote:
-    """Make ``zygote`` the live one, under the lock: the one before (for start-up inputs
-    the controller has changed since) is retired."""
-    for other in [key for key in _zygotes if key != zygote.key]:
-        _zygotes.pop(other).retire()
+def _register(zygote: Zygote) -> list[Zygote]:
+    """Make ``zygote`` the live one, under the lock; returns the one before (for start-up
+    inputs the controller has changed since), for the caller to retire once it has let
+    go of the lock."""
+    displaced = [_zygotes.pop(key) for key in [k for k in _zygotes if k != zygote.key]]
     _zygotes[zygote.key] = zygote
-    return zygote
+    return displaced
 
 
 def prestart(wait: bool = False) -> None:
@@ -257,11 +261,14 @@ def adopt_early() -> None:
     if early is None:
         return
     launched = Zygote(*early)
+    displaced = []
     with _registry_lock:
         if _live(launched.key) is not None:  # one started since (prestart): keep that one
             launched.close()
         else:
-            _register(launched)
+            displaced = _register(launched)
+    for old in displaced:
+        old.retire()
 
 
 def running() -> list[tuple[int, int]]:
