@@ -1,9 +1,10 @@
 """A FORK that fails midway leaves no clone running (gym_fork/hosts/process/sandbox.py):
 a clone that cannot be made (the pids cgroup's pids.max reached, in the worker, a helper
-or the double fork's helper), or snapshots that never finish (env code in a clone holds
-the snapshot pipe open), fail the FORK with an error that says why, and the clones made
-so far are killed by pidfd. Leftovers are looked for where clones live: among the warm
-parent's children (and a double fork's source's), not the controller's descendants.
+or the double fork's helper), snapshots that never finish (env code in a clone holds
+the snapshot pipe open) or helpers that never report (env code hangs in them) fail the
+FORK with an error that says why, and the clones made so far are killed by pidfd.
+Leftovers are looked for where clones live: among the warm parent's children (and a
+double fork's source's), not the controller's descendants.
 
 Root is exempt from RLIMIT_NPROC (and a sandbox cannot change its uid), so the kernel's
 own EAGAIN comes from the pids cgroup limit, which binds root and which a clone shares
@@ -44,26 +45,27 @@ class ThreadedEnv(gym.Wrapper):
         threading.Thread(target=threading.Event().wait, daemon=True).start()
 
 
-class SnapshotHolderEnv(gym.Wrapper):
-    """CartPole whose env code, once armed, runs in each clone from its first
-    instruction (an at-fork hook) and keeps a copy of every fd it inherited: the
-    snapshot pipe's write end among them, so its source never sees EOF."""
+class ForkHookEnv(gym.Wrapper):
+    """CartPole whose env code, once armed, runs in each process its worker forks from
+    its first instruction (an at-fork hook): ``hold`` keeps a copy of every fd it
+    inherited (the snapshot pipe's write end among them, so its source never sees
+    EOF); ``hang`` never returns (a helper then reports nothing)."""
 
     def __init__(self) -> None:
         super().__init__(gym.make("CartPole-v1"))
 
-    def hold_inherited_fds(self, timeout: float) -> None:
+    def arm(self, hook: str, timeout: float) -> None:
         from gym_fork.hosts.process import sandbox
 
         sandbox.SNAPSHOT_TIMEOUT = timeout
         held: list[int] = []
 
-        def keep_all() -> None:
+        def hold() -> None:
             for fd in range(3, 512):
                 with contextlib.suppress(OSError):  # not open
                     held.append(os.dup(fd))
 
-        os.register_at_fork(after_in_child=keep_all)
+        os.register_at_fork(after_in_child=hold if hook == "hold" else threading.Event().wait)
 
 
 def _fails_and_leaves_nothing(env: ForkVectorEnv, copies: int, match: str) -> None:
@@ -107,11 +109,17 @@ def test_a_fan_out_failing_midway_kills_every_clone_made(env_fn, processes, copi
         env.close()
 
 
-def test_clones_that_hold_the_snapshot_pipe_fail_the_fork_at_its_deadline():
-    env = ForkVectorEnv([SnapshotHolderEnv], lineage_log=False)
+@pytest.mark.parametrize(
+    ("hook", "copies"),
+    [("hold", 2), ("hang", 40)],  # 40: by helpers, where there are 2 cores or more
+    ids=["clones-hold-the-snapshot-pipe", "helpers-hang"],
+)
+def test_a_fork_whose_children_never_finish_fails_at_its_deadline(hook, copies):
+    env = ForkVectorEnv([ForkHookEnv], lineage_log=False)
     try:
         env.reset(seed=0)
-        env.call("hold_inherited_fds", 0.5)
-        _fails_and_leaves_nothing(env, 2, r"did not take their snapshot .* within 0.5 s")
+        env.call("arm", hook, 0.5)
+        match = r"did not (take their snapshot|report every clone) .*within 0.5 s"
+        _fails_and_leaves_nothing(env, copies, match)
     finally:
         env.close()

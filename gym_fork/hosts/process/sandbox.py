@@ -455,7 +455,9 @@ def _take_reports(
     clone's watch into ``made``; returns what went wrong. Env code may run in a helper
     (at-fork hooks) or a clone (which has the socket until it closes it): a report is
     checked before it counts, at most one per clone and helper is read, and past
-    ``deadline`` the helpers are killed and only what they sent before is taken."""
+    ``deadline`` the helpers are killed and only what they sent before is taken. A
+    forged report at most makes the FORK fail (a clone is reported twice) and names
+    nothing its sender could not signal itself (same pid namespace and uid as we)."""
     count = len(fan.plan)
     problems: list[str] = []
     late = False
