@@ -1,7 +1,8 @@
 """Tree search end to end: a fixed-budget beam search, as nodes expanded per second.
 
     .venv/bin/python benchmarks/tree_search.py [--depth 50] [--width 4] [--rounds 3]
-                                               [--envs pong,cstate] [--microvm] [--json OUT]
+                                               [--envs pong,cstate] [--methods fork,replay]
+                                               [--microvm] [--json OUT]
 
 The same beam search (keep the ``width`` best action sequences at every depth, expand each
 with every action of a fixed set, ``depth`` levels) done four ways:
@@ -23,7 +24,8 @@ first reset are the set-up, reported apart (replay's resets are part of its sear
 For fork, a level's time is also split (medians): the fork, the branch's first step and
 the close of the level it was forked from.
 Each (env, method) measurement runs in a fresh interpreter, the methods interleaved
-over ``rounds``; medians with min-max. Memory: peak summed PSS of the search's
+over ``rounds``; medians with min-max (``--methods fork``: that one alone, a quick A/B of
+the library; the ratios then print as "-"). Memory: peak summed PSS of the search's
 processes (for fork: the controller, the warm parent tree and every sandbox), sampled
 once per level.
 """
@@ -273,6 +275,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--envs", default="pong,cstate", help="comma-separated: pong, cstate")
+    parser.add_argument(
+        "--methods", help="comma-separated: only these of fork, replay, native, microvm"
+    )
     parser.add_argument("--microvm", action="store_true", help="add the microVM host's fork")
     parser.add_argument("--json", metavar="OUT", help="write every measurement as JSON")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # ENV:METHOD, in this interpreter
@@ -284,7 +289,10 @@ def main() -> None:
     plans = []
     for env_name in args.envs.split(","):
         methods = ["fork", "replay"] + (["native"] if env_name == "pong" else [])
-        plans.append((env_name, methods + (["microvm"] if args.microvm else [])))
+        methods += ["microvm"] if args.microvm else []
+        if args.methods:
+            methods = [m for m in methods if m in args.methods.split(",")]
+        plans.append((env_name, methods))
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):  # interleaved: round-robin over every contender
         for env_name, methods in plans:
@@ -315,9 +323,10 @@ def main() -> None:
             pss = statistics.median(r["peak_pss_mb"] for r in runs)
             setup = statistics.median(r["setup_s"] for r in runs)
             vs_native = f"{med[m] / med['native']:.3f}x" if "native" in med else "-"
+            vs_replay = f"{med[m] / med['replay']:.2f}x" if "replay" in med else "-"
             print(
                 f"| {env_name} | {m} | {med[m]:,.0f} [{min(rates):,.0f}-{max(rates):,.0f}] "
-                f"| {med[m] / med['replay']:.2f}x | {vs_native} | {setup:.2f} | {pss:.0f} "
+                f"| {vs_replay} | {vs_native} | {setup:.2f} | {pss:.0f} "
                 f"| {runs[0]['best_return']:.2f} |"
             )
     for env_name, methods in plans:
