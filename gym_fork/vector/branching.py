@@ -19,7 +19,7 @@ from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
 
 from .frontend import ForkPlan
-from .lifecycle import Sandboxes
+from .lifecycle import Sandboxes, bury
 from .opening import Opened
 
 
@@ -52,6 +52,7 @@ def clone_sandboxes(source: Opened, plan: ForkPlan) -> tuple[Opened, float]:
     spaces = source.spaces.for_branch(config.observation_mode, plan.sources)
     if sandboxes.host is None or sandboxes.slabs is None:
         raise ValueError("fork: the source vector env is closed")
+    bury(sandboxes.host, wait=False)  # let go of the tree's sandboxes seen gone since
     branch = Sandboxes(config, sandboxes.host.acquire())
     try:
         branch.open_slabs(spaces, source.obs_in_slab, counts=[1] * config.num_envs)

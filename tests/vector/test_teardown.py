@@ -1,0 +1,52 @@
+"""close() of a branch: its sandboxes are killed before it returns; the controller lets
+go of them once their exit is seen, at the latest when the tree's last user closes."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+from gym_fork import ForkVectorEnv
+from gym_fork.vector import lifecycle
+from tests.helpers import alive, wait_until
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def _dying(host) -> set[int]:
+    return {id(w) for w in lifecycle._DYING.get(host, [])}
+
+
+def test_a_closed_branch_is_killed_at_close_and_let_go_of_once_gone():
+    envs = ForkVectorEnv([cartpole], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        host = envs.sandboxes.host
+        branch = envs.fork("b", copies=2)
+        handles = list(branch.sandboxes.pool.workers)
+        pids = branch.worker_pids
+        branch.close()
+        assert all(h.dead for h in handles)  # SIGKILLed before close() returned
+        assert wait_until(lambda: not alive(pids), 2.0)
+        later = envs.fork("later")  # a fork of the tree lets go of those gone
+        assert not _dying(host) & {id(h) for h in handles}
+        later.close()
+        envs.step(np.array([0]))  # the root is untouched
+    finally:
+        envs.close()
+    assert host not in lifecycle._DYING
+
+
+def test_the_last_user_of_a_tree_waits_for_every_sandbox_it_killed():
+    envs = ForkVectorEnv([cartpole], lineage_log=False)
+    envs.reset(seed=0)
+    host = envs.sandboxes.host
+    first, second = envs.fork("first"), envs.fork("second")
+    pids = first.worker_pids + second.worker_pids + envs.worker_pids
+    first.close()  # the root and the second branch still use the warm parent
+    envs.close()
+    second.close()  # the last user: nothing is left once it returns
+    assert not alive(pids)
+    assert host not in lifecycle._DYING
