@@ -218,9 +218,10 @@ class ImpostorClonesEnv(gym.Wrapper):
 
     def name_the_warm_parent_as_clones(self) -> None:
         from gym_fork.hosts.process import sandbox
+        from gym_fork.system.fan_out import Forked
 
         def impostor(worker, plan, *rest):
-            made = sandbox._Made()
+            made = Forked()
             for k in range(len(plan)):
                 made.add(k, linux.ProcessWatch(os.getppid()))
             return made

@@ -16,11 +16,9 @@ pidfds of those of a FORK that succeeds.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -31,7 +29,8 @@ from typing import Any, NoReturn
 import gymnasium as gym
 
 from gym_fork.hosts.process import messages as M
-from gym_fork.system.children import kill_child, read_until_closed
+from gym_fork.system.children import read_until_closed
+from gym_fork.system.fan_out import Forked, fork_all
 from gym_fork.system.isolation import (
     IsolationConfig,
     before_forking_clones,
@@ -39,10 +38,8 @@ from gym_fork.system.isolation import (
     private_tmp_leftovers,
 )
 from gym_fork.system.linux import (
-    ProcessWatch,
     can_fork_sibling,
     die_with_parent,
-    fork_sibling,
     has_threads,
     wait_readable,
 )
@@ -57,8 +54,6 @@ FORKS_PER_HELPER = 16
 # its helpers' reports): env code runs in a clone from its first instruction (at-fork
 # hooks) and may hold the pipe open forever. Then those made are killed.
 SNAPSHOT_TIMEOUT = 60.0
-# Seconds the processes of a failed FORK are given to be gone once killed.
-KILL_TIMEOUT = 2.0
 
 
 class ProcessWorker(Worker):
@@ -235,63 +230,6 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             os.close(fd)
 
 
-class _Made:
-    """The processes one process of a FORK has forked so far (clones or helpers), each
-    held by its pidfd, keyed by its place: if the FORK fails they are killed by pidfd,
-    which no reaping can make name another process. The pidfds are mostly consecutive
-    fds: a process forked later closes its copies with a few close_range calls (``runs``).
-    ``ours``: os.fork()ed children of this process, reaped here."""
-
-    def __init__(self, ours: bool = False) -> None:
-        self.ours = ours
-        self.watches: dict[int, ProcessWatch] = {}
-        self.runs: list[tuple[int, int]] = []  # [lo, hi) runs of the pidfds
-
-    def add(self, key: int, watch: ProcessWatch) -> None:
-        self.watches[key] = watch
-        if self.runs and self.runs[-1][1] == watch.fd:
-            self.runs[-1] = (self.runs[-1][0], watch.fd + 1)
-        else:
-            self.runs.append((watch.fd, watch.fd + 1))
-
-    def kill(self) -> None:
-        """SIGKILL every one, wait (bounded) until they are gone, let go of them."""
-        for watch in self.watches.values():
-            watch.kill()
-        self.close()
-
-    def close(self) -> None:
-        """Let go of them (children of ours: once they have exited, or been killed
-        at KILL_TIMEOUT, and reaped)."""
-        deadline = time.monotonic() + KILL_TIMEOUT
-        for watch in self.watches.values():
-            if self.ours:
-                if not watch.wait_dead(max(0.0, deadline - time.monotonic())):
-                    watch.kill()
-                    watch.wait_dead(KILL_TIMEOUT)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(watch.pid, os.WNOHANG)
-            watch.close()
-        self.watches.clear()
-        self.runs.clear()
-
-
-def _fork_process(sibling: bool) -> tuple[int, int]:
-    """Fork a sibling (fork_sibling) or a child of ours (``os.fork()``): ``(0, -1)`` in
-    it, ``(pid, pidfd)`` here."""
-    if sibling:
-        return fork_sibling()
-    pid = os.fork()
-    if pid == 0:
-        return 0, -1
-    try:
-        return pid, os.pidfd_open(pid)  # our child, not reaped: the pid is its own
-    except BaseException:
-        kill_child(pid)
-        os.waitpid(pid, 0)
-        raise
-
-
 @dataclass
 class _FanOut:
     """What every clone of one FORK is forked with, and how."""
@@ -307,190 +245,50 @@ class _FanOut:
     # writers) is gone, i.e. until they are orphans about to be adopted.
     gate: int = -1
 
-    def fork(
-        self, k: int, close: tuple[int, ...], made: _Made, inherited: Sequence[tuple[int, int]] = ()
-    ) -> ProcessWatch:
-        """Fork the clone ``plan[k]`` into ``made``; it first closes the source's fds
-        ``close`` and its copies of the pidfds of ``made`` and ``inherited`` (runs)."""
-        pid, pidfd = _fork_process(self.gate < 0)
-        if pid == 0:
-            _become_clone(self, self.plan[k], close, [*inherited, *made.runs])
-        watch = ProcessWatch(pid, pidfd)
-        made.add(k, watch)
-        return watch
 
-
-def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> _Made:
+def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> Forked:
     """Fork every clone of ``plan`` into a child of the warm parent; returns them once
     every clone has its snapshot of this worker's /tmp and /dev/shm. If any cannot be
     made, or the snapshots take more than SNAPSHOT_TIMEOUT, those made are killed and
-    RuntimeError says why.
+    RuntimeError says why (gym_fork/system/fan_out.py).
 
     Each clone is forked as a sibling of this worker, by the worker itself or, for a
     large fan-out, by helpers (siblings too). fork_sibling runs none of the C library's
     fork handlers, which keep a threaded process's locks sane across fork: a worker with
-    threads (an env's) forks helpers with ``os.fork()`` instead, which fork the clones,
-    report them and exit, so that the orphaned clones are adopted (a double fork)."""
+    threads (an env's) double-forks instead."""
     # Each clone keeps the write end until it has copied its source's /tmp and /dev/shm:
     # EOF says the source may change them again.
     read_end, write_end = os.pipe()
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT
     cores = len(os.sched_getaffinity(0)) or 1
-    parts = max(1, min(cores, len(plan) // FORKS_PER_HELPER))
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
     gate_write = -1
     if has_threads() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
-    made = _Made()
+    made = None
     try:
         try:
-            if parts == 1 and fan.gate < 0:
-                for k in range(len(plan)):
-                    try:
-                        fan.fork(k, (read_end,), made)
-                    except OSError as exc:
-                        raise RuntimeError(
-                            f"fork: clone {k + 1} of {len(plan)} could not be made ({exc}); "
-                            f"the {k} clones made of {len(plan)} are killed"
-                        ) from exc
-            else:
-                _fork_by_helpers(fan, parts, (read_end, gate_write), made, deadline)
+            made = fork_all(
+                len(plan),
+                lambda k, close: _become_clone(fan, plan[k], close),
+                sibling=fan.gate < 0,
+                helpers=max(1, min(cores, len(plan) // FORKS_PER_HELPER)),
+                close=(read_end, gate_write),
+                deadline=deadline,
+                seconds=SNAPSHOT_TIMEOUT,
+            )
         finally:
             for fd in (write_end, fan.gate, gate_write):
                 if fd >= 0:
                     os.close(fd)
         _await_snapshots(read_end, deadline)
     except BaseException:
-        made.kill()
+        if made is not None:
+            made.kill()
         raise
     finally:
         os.close(read_end)
     return made
-
-
-# A helper's report of one clone: its place in the plan and its pid (its pidfd attached).
-_REPORT = struct.Struct("<qq")
-_FAILED = b"!"  # a helper's report that a clone could not be made: b"!" + why
-
-
-def _fork_by_helpers(
-    fan: _FanOut, parts: int, close: tuple[int, ...], made: _Made, deadline: float
-) -> None:
-    """Fork the clones by ``parts`` helpers, each its share (siblings; children of ours
-    for the double fork), which report each clone with its pidfd on a socket; the
-    clones go into ``made``. RuntimeError if a helper failed, a report is wrong or
-    missing, or the reports are not all in by ``deadline``."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    helpers = _Made(ours=fan.gate >= 0)
-    problems = []
-    try:
-        report_to = theirs.fileno()
-        for part in range(parts):
-            try:
-                pid, pidfd = _fork_process(fan.gate < 0)
-            except OSError as exc:  # the helpers made still report what they make
-                problems.append(f"helper {part + 1} of {parts} could not be made ({exc})")
-                break
-            if pid == 0:
-                share = range(part, len(fan.plan), parts)
-                _helper(fan, share, (*close, ours.fileno(), report_to), report_to, helpers.runs)
-            helpers.add(part, ProcessWatch(pid, pidfd))
-        theirs.close()
-        problems += _take_reports(ours, fan, parts, made, helpers, deadline)
-        if problems:
-            raise RuntimeError(
-                f"fork: {'; '.join(problems[:3])}; the {len(made.watches)} clones made of "
-                f"{len(fan.plan)} are killed"
-            )
-    except BaseException:
-        helpers.kill()
-        raise
-    finally:
-        theirs.close()
-        ours.close()
-        helpers.close()
-
-
-def _helper(
-    fan: _FanOut,
-    share: range,
-    close: tuple[int, ...],
-    report_to: int,
-    inherited: list[tuple[int, int]],
-) -> NoReturn:
-    """A helper's life: fork the clones ``share``, report each on ``report_to`` as it is
-    made; if one cannot be made, kill those made and report why. Never returns."""
-    made = _Made()
-    k = share.start
-    try:
-        for k in share:
-            watch = fan.fork(k, close, made, inherited)
-            _send_report(report_to, _REPORT.pack(k, watch.pid), [watch.fd])
-    except BaseException as exc:
-        made.kill()
-        with contextlib.suppress(OSError):
-            why = f"clone {k + 1} of {len(fan.plan)} could not be made ({exc})"
-            _send_report(report_to, _FAILED + why.encode(errors="replace")[:200], [])
-    finally:
-        os._exit(0)
-
-
-def _send_report(fd: int, data: bytes, fds: list[int]) -> None:
-    sock = socket.socket(fileno=fd)  # no new fd; detached again, never closed here
-    try:
-        socket.send_fds(sock, [data], fds)
-    finally:
-        sock.detach()
-
-
-def _take_reports(
-    sock: socket.socket,
-    fan: _FanOut,
-    parts: int,
-    made: _Made,
-    helpers: _Made,
-    deadline: float,
-) -> list[str]:
-    """The helpers' reports until every clone is reported or all are gone (EOF), each
-    clone's watch into ``made``; returns what went wrong. Env code may run in a helper
-    (at-fork hooks) or a clone (which has the socket until it closes it): a report is
-    checked before it counts, at most one per clone and helper is read, and past
-    ``deadline`` the helpers are killed and only what they sent before is taken. A
-    forged report at most makes the FORK fail (a clone is reported twice) and names
-    nothing its sender could not signal itself (same pid namespace and uid as we)."""
-    count = len(fan.plan)
-    problems: list[str] = []
-    late = False
-    reports = 0
-    while len(made.watches) < count:
-        if reports > count + parts:
-            problems.append("more reports than clones and helpers")
-            break
-        if not wait_readable(sock.fileno(), 0 if late else deadline - time.monotonic()):
-            if late:
-                break
-            problems.append(f"the helpers did not report every clone within {SNAPSHOT_TIMEOUT} s")
-            helpers.kill()
-            late = True
-            continue
-        data, fds, flags, _ = socket.recv_fds(sock, 256, 1)
-        reports += 1
-        if not data and not fds:
-            break  # every helper is gone, every clone has closed its copy
-        if len(data) == _REPORT.size and len(fds) == 1 and not flags:
-            k, pid = _REPORT.unpack(data)
-            if 0 <= k < count and k not in made.watches and pid > 0:
-                made.add(k, ProcessWatch(pid, fds[0]))
-                continue
-        for fd in fds:
-            os.close(fd)
-        if data.startswith(_FAILED) and not fds:
-            problems.append(data[1:].decode(errors="replace"))
-        else:
-            problems.append(f"a malformed report of {len(data)} bytes with {len(fds)} fds")
-    if not problems and len(made.watches) < count:
-        problems.append(f"{count - len(made.watches)} of {count} clones were not reported")
-    return problems
 
 
 def _await_snapshots(read_end: int, deadline: float) -> None:
@@ -515,9 +313,7 @@ def _release_source(worker: ProcessWorker) -> None:
         worker.slab.close()
 
 
-def _become_clone(
-    fan: _FanOut, clone: _Clone, close: tuple[int, ...], pidfds: list[tuple[int, int]]
-) -> NoReturn:
+def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> NoReturn:
     worker, snapshot = fan.worker, fan.snapshot
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
 
@@ -525,11 +321,8 @@ def _become_clone(
         if fan.gate < 0:  # born a child of the warm parent: its death is ours from now on
             die_with_parent(worker.warm_parent)
         redirect_output(out_fd, err_fd)
-        for fd in close:
-            if fd >= 0:
-                os.close(fd)
         _release_source(worker)
-        for lo, hi in (*clone.others, *pidfds):
+        for lo, hi in (*clone.others, *close):
             os.closerange(lo, hi)
         child = ProcessWorker(
             Channel.attach(channel_fd, fan.capacity, clone.name),
