@@ -117,10 +117,12 @@ class WorkerHandle:
     dead: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     host_data: Any = None  # what the host keeps per sandbox (side socket, VM)
+    output_key: str = ""  # its pipes' key in ``output``; "" for str(pid)
 
     def output_tail(self, stream: str = "stderr") -> str:
         """The last bytes this sandbox wrote on ``stream``."""
-        return self.output.tail(str(self.pid), stream) if self.output is not None else ""
+        key = self.output_key or str(self.pid)
+        return self.output.tail(key, stream) if self.output is not None else ""
 
     def alive(self) -> bool:
         """False once the sandbox is known dead (checked with its pidfd)."""
@@ -167,7 +169,7 @@ class WorkerHandle:
             close()
         self.host_data = None
         if self.output is not None:
-            self.output.forget(str(self.pid))
+            self.output.forget(self.output_key or str(self.pid))
         self.watch.close()
         self.channel.close()
 

@@ -74,3 +74,34 @@ def test_echo_drops_and_counts_what_a_stalled_reader_cannot_take():
         os.close(read_end)  # the stuck writer gets EPIPE and moves on
         echo.close()
         os.close(write_end)
+
+
+def test_sandboxes_dead_before_adoption_keep_their_output_apart():
+    """Clones reported reaped have no pid of ours (NO_PID): their output is keyed by the
+    sandbox, so tails never mix and each release closes its own pipes."""
+    from gym_fork.hosts.base import WorkerSpec
+    from gym_fork.hosts.output import OutputCollector
+    from gym_fork.hosts.process.host import SandboxEnds
+    from gym_fork.system.linux import NO_PID, ProcessWatch
+
+    output = OutputCollector(echo=False)
+    fds_before = set(os.listdir("/proc/self/fd"))
+    try:
+        handles = []
+        for word in (b"first", b"second"):
+            ends = SandboxEnds(WorkerSpec("clone", [0], [0]), 1 << 16, output)
+            os.write(ends.err_w, word)
+            ends.handed_over()
+            handles.append(ends.handle(0, ProcessWatch(NO_PID, -1)))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [h.output_tail() for h in handles] != [
+            "first",
+            "second",
+        ]:
+            time.sleep(0.01)
+        assert [h.output_tail() for h in handles] == ["first", "second"]
+        for handle in handles:
+            handle.release()
+        assert set(os.listdir("/proc/self/fd")) == fds_before
+    finally:
+        output.close()

@@ -61,6 +61,9 @@ class SandboxLink:
         self.sock.close()
 
 
+_output_keys = itertools.count()
+
+
 class SandboxEnds:
     """What the controller makes for a new sandbox before it exists: its channel, side
     socket and output pipes. ``fds()`` are handed over (spawn or fork); then
@@ -91,7 +94,9 @@ class SandboxEnds:
 
     def handle(self, local_pid: int, watch: ProcessWatch) -> WorkerHandle:
         """The handle of the sandbox, known to the controller by its host pid."""
-        self.output.watch(str(watch.pid), self.out_r, self.err_r)
+        # Keyed by its own name: a sandbox dead before it was adopted has no pid of ours.
+        key = f"{self.spec.name}#{next(_output_keys)}"
+        self.output.watch(key, self.out_r, self.err_r)
         return WorkerHandle(
             self.spec.name,
             list(self.spec.indices),
@@ -101,6 +106,7 @@ class SandboxEnds:
             list(self.spec.origins),
             output=self.output,
             host_data=SandboxLink(self.ours, local_pid),
+            output_key=key,
         )
 
 
