@@ -48,6 +48,8 @@ from gym_fork.transport.channel import Channel
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import SubEnvSlot, Worker
 
+# Seconds a sandbox that answered CLOSE waits for its SIGKILL before it exits itself.
+CLOSED_WAIT_S = 5.0
 # A fan-out gets one more helper (up to one per core) per this many clones.
 FORKS_PER_HELPER = 16
 # Seconds a FORK waits for its clones' snapshots of the source's /tmp and /dev/shm (and
@@ -88,6 +90,16 @@ class ProcessWorker(Worker):
         # A scratch dir inside the tree's private /tmp is nothing the controller can reach.
         on_host = not self.tree_isolation.tree.get("private_tmp")
         return {**super().identity(), "scratch": self.scratch if on_host else None}
+
+    def run(self, first_wait_asleep: bool = False) -> None:
+        """Serve until CLOSE, then wait (CLOSED_WAIT_S at most) for the controller's
+        SIGKILL, which comes once every sandbox of the close() has answered: exiting at
+        once would take a core from the siblings still answering (a Pong sandbox's exit
+        is ~2.4 ms of one), and the controller no longer waits for the exits."""
+        super().run(first_wait_asleep)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(CLOSED_WAIT_S)
 
     def extra_handlers(self):
         return {P.FORK: self._guarded(self.fork)}
