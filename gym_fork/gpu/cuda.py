@@ -56,12 +56,6 @@ def cuda_evidence(pid: int, report: GpuReport | None, proc: str = "/proc") -> li
                 f"({device.name}, {used if used is not None else '?'} bytes)"
             )
     try:
-        with open(f"{proc}/{pid}/maps") as f:
-            libs = {line.split()[-1] for line in f if "libcuda.so" in line}
-        mapped = [f"maps the CUDA driver library {lib}" for lib in sorted(libs)]
-    except OSError:
-        mapped = []
-    try:
         fd_dir = f"{proc}/{pid}/fd"
         devices = set()
         for fd in os.listdir(fd_dir):
@@ -74,4 +68,11 @@ def cuda_evidence(pid: int, report: GpuReport | None, proc: str = "/proc") -> li
         evidence += [f"has {dev} open" for dev in sorted(devices)]
     except OSError:
         pass
-    return evidence + mapped if evidence else []
+    if not evidence:
+        return []  # the maps (hundreds of lines per sandbox) only matter next to evidence
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcuda.so" in line}
+    except OSError:
+        libs = set()
+    return evidence + [f"maps the CUDA driver library {lib}" for lib in sorted(libs)]
