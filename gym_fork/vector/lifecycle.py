@@ -62,30 +62,35 @@ def bury(host: Host, killed: list[WorkerHandle] | None = None, *, wait: bool) ->
     (~2 ms of a core for a 36 MB clone). While another vector env uses the warm parent,
     close() returns without waiting for that: the next teardown or fork of the tree, the
     close of its last user, or the interpreter's exit sees them gone."""
-    left = _release_gone(_DYING.pop(host, []) + (killed or []), wait)
-    if left:
-        _DYING[host] = left
+    dying = _DYING.setdefault(host, [])
+    dying += killed or []
+    _release_gone(dying, wait)
+    if not dying:
+        del _DYING[host]
 
 
-def _release_gone(killed: list[WorkerHandle], wait: bool) -> list[WorkerHandle]:
+def _release_gone(killed: list[WorkerHandle], wait: bool) -> None:
     """Release those of ``killed`` whose exit is seen (with ``wait``: every one, after
-    up to 1 s each); return the others."""
-    left = []
-    for worker in killed:
+    up to 1 s each), removing each from the list once released: an interruption
+    leaves the others listed (they are SIGKILLed already)."""
+    for worker in list(killed):
         if worker.watch.wait_dead(1.0 if wait else 0) or wait:
+            killed.remove(worker)
             worker.release()
-        else:
-            left.append(worker)
-    return left
 
 
-def _let_go(host: Host, killed: list[WorkerHandle] | None = None) -> None:
-    """A vector env is done with ``host``, whose sandboxes ``killed`` it killed: while
-    another open vector env uses it, their exit is seen later (:func:`bury`); from its
-    last user, they and those left before are waited for, then it is released (closed)."""
-    shared = any(other.host is host for other in list(_OPEN))
-    bury(host, killed, wait=not shared)
-    host.release()
+def _let_go(
+    host: Host, killed: list[WorkerHandle] | None = None, leaving: Sandboxes | None = None
+) -> None:
+    """A vector env (``leaving``) is done with ``host``, whose sandboxes ``killed`` it
+    killed: while another open vector env uses it, their exit is seen later
+    (:func:`bury`); from its last user, they and those left before are waited for. Then
+    it is released (closed by its last user), whatever the wait raised."""
+    shared = any(other.host is host and other is not leaving for other in list(_OPEN))
+    try:
+        bury(host, killed, wait=not shared)
+    finally:
+        host.release()
 
 
 def new_slab_memfd() -> int:
@@ -358,24 +363,28 @@ class Sandboxes:
     def teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
         """Close the sub-envs (unless ``terminate``), then kill and release every
         sandbox, the host (if this was its last user), the slab and the lineage record."""
-        _OPEN.discard(self)
         workers, self.pool.workers = self.pool.workers, []
         gpu_at_close = gpu_memory(workers) if self.lineage is not None else None
-        if not terminate:
-            self._close_sub_envs(workers, timeout)
-        for worker in workers:
-            worker.kill()
-        if self.host is not None:
-            _let_go(self.host, workers)
-            self.host = None
-        else:
-            _release_gone(workers, wait=True)
-        if self.slabs is not None:
-            self.slabs.close()
-            self.slabs = None
-        for fd in self._slab_fds:
-            os.close(fd)
-        self._slab_fds = []
+        try:
+            if not terminate:
+                self._close_sub_envs(workers, timeout)
+        finally:  # a Ctrl-C or a warning turned error while closing still kills them all
+            for worker in workers:
+                worker.kill()
+            host, self.host = self.host, None
+            try:
+                if host is not None:
+                    _let_go(host, workers, leaving=self)
+                else:
+                    _release_gone(workers, wait=True)
+            finally:
+                _OPEN.discard(self)
+                if self.slabs is not None:
+                    self.slabs.close()
+                    self.slabs = None
+                for fd in self._slab_fds:
+                    os.close(fd)
+                self._slab_fds = []
         if self.lineage is not None:
             self.lineage.tree.close(
                 self.lineage.branch_id,
@@ -393,11 +402,13 @@ class Sandboxes:
                 worker.channel.send([P.CLOSE, 0, None], deadline.slice() or 0.01)
             for worker in live:
                 reply = self.pool.receive(worker, deadline, P.CLOSE)
-                note_tmp_leftovers(reply[2] if len(reply) > 2 else None)
+                with contextlib.suppress(Warning):  # a note, never a reason to stop closing
+                    note_tmp_leftovers(reply[2] if len(reply) > 2 else None)
         except (WaitTimeout, SubEnvCrashed, RingTimeout, TransportError, OSError):
             pass  # past the deadline, dead or misbehaving: it is killed next
         except Exception as exc:
-            logger.warn(f"Error while closing the sub-envs: {exc!r}")
+            with contextlib.suppress(Warning):  # warnings turned errors: close goes on
+                logger.warn(f"Error while closing the sub-envs: {exc!r}")
 
 
 _TMP_NOTED = False

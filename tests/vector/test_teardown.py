@@ -50,3 +50,26 @@ def test_the_last_user_of_a_tree_waits_for_every_sandbox_it_killed():
     second.close()  # the last user: nothing is left once it returns
     assert not alive(pids)
     assert host not in lifecycle._DYING
+
+
+def test_a_close_cut_short_still_kills_every_sandbox_and_closes_the_warm_parent(monkeypatch):
+    """Ctrl-C (or a warning turned error) while the sandboxes answer CLOSE: close()
+    raises it, and nothing of the tree is left running."""
+    envs = ForkVectorEnv([cartpole, cartpole], lineage_log=False)
+    envs.reset(seed=0)
+    host = envs.sandboxes.host
+    pids = [*envs.worker_pids, host.pid]
+
+    def interrupted(report):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lifecycle, "note_tmp_leftovers", interrupted)
+    try:
+        envs.close()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the KeyboardInterrupt was swallowed")
+    assert wait_until(lambda: not alive(pids), 5.0), [p for p in pids if alive([p])]
+    assert host not in lifecycle._DYING
+    assert envs.sandboxes not in lifecycle._OPEN
