@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from gym_fork.system.children import kill_child
-from gym_fork.system.linux import ProcessWatch, fork_sibling, wait_readable
+from gym_fork.system.linux import ProcessWatch, fork_sibling, pidfd_pids, wait_readable
 
 # Seconds the processes of a failed fan-out are given to be gone once killed.
 KILL_TIMEOUT = 2.0
@@ -260,7 +260,7 @@ def _take_reports(
             break  # every helper is gone, every process has closed its copy
         if len(data) == _REPORT.size and len(fds) == 1 and not flags:
             k, pid = _REPORT.unpack(data)
-            if 0 <= k < count and k not in made.watches and pid > 0:
+            if 0 <= k < count and k not in made.watches and pid > 0 and pidfd_pids(fds[0]):
                 made.add(k, ProcessWatch(pid, fds[0]))
                 continue
         for fd in fds:

@@ -69,7 +69,7 @@ class ProcessWatch:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.fd >= 0:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(OSError):  # gone; or not a pidfd (a peer's forgery)
                 signal.pidfd_send_signal(self.fd, sig)
 
     def wait_dead(self, timeout: float) -> bool:

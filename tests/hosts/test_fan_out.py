@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -94,3 +95,22 @@ def test_a_process_the_kernel_refuses_midway_gets_every_one_made_killed(monkeypa
         for pid in made:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+
+
+def test_a_helpers_report_must_carry_a_pidfd():
+    """A report naming a pipe (env code forging one in a helper) is refused, not held as
+    a process to kill later."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read_end, write_end = os.pipe()
+    try:
+        socket.send_fds(theirs, [fan_out._REPORT.pack(0, os.getpid())], [read_end])
+        theirs.close()
+        made, helpers = fan_out.Forked(), fan_out.Forked()
+        problems = fan_out._take_reports(ours, 1, 1, made, helpers, time.monotonic() + 5, 5)
+        assert not made.watches
+        assert any("malformed report" in problem for problem in problems), problems
+    finally:
+        ours.close()
+        theirs.close()
+        os.close(read_end)
+        os.close(write_end)

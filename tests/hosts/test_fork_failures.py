@@ -65,6 +65,15 @@ class ForkHookEnv(gym.Wrapper):
                 with contextlib.suppress(OSError):  # not open
                     held.append(os.dup(fd))
 
+        if hook == "hang-after-forking":  # a helper that forked a clone, then hangs
+            worker = os.getpid()
+
+            def hang_in_a_helper() -> None:
+                if os.getpid() != worker:
+                    threading.Event().wait()
+
+            os.register_at_fork(after_in_parent=hang_in_a_helper)
+            return
         os.register_at_fork(after_in_child=hold if hook == "hold" else threading.Event().wait)
 
 
@@ -111,8 +120,9 @@ def test_a_fan_out_failing_midway_kills_every_clone_made(env_fn, processes, copi
 
 @pytest.mark.parametrize(
     ("hook", "copies"),
-    [("hold", 2), ("hang", 40)],  # 40: by helpers, where there are 2 cores or more
-    ids=["clones-hold-the-snapshot-pipe", "helpers-hang"],
+    # 40: by helpers, where there are 2 cores or more
+    [("hold", 2), ("hang", 40), ("hang-after-forking", 40)],
+    ids=["clones-hold-the-snapshot-pipe", "helpers-hang", "helpers-hang-after-a-clone"],
 )
 def test_a_fork_whose_children_never_finish_fails_at_its_deadline(hook, copies):
     env = ForkVectorEnv([ForkHookEnv], lineage_log=False)

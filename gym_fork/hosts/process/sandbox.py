@@ -50,6 +50,7 @@ from gym_fork.worker.loop import SubEnvSlot, Worker
 
 # Seconds a sandbox that answered CLOSE waits for its SIGKILL before it exits itself.
 CLOSED_WAIT_S = 5.0
+_COMMIT = b"c"  # one per clone on the commit pipe (_FanOut.commit)
 # A fan-out gets one more helper (up to one per core) per this many clones.
 FORKS_PER_HELPER = 16
 # Seconds a FORK waits for its clones' snapshots of the source's /tmp and /dev/shm (and
@@ -223,19 +224,25 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             raise RuntimeError("fork: this worker has not attached its slab yet")
         before_forking_clones(worker.scratch, worker.tree_isolation)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
-        made = _fork_siblings(worker, plan, arg["num_envs"], arg["ring_capacity"])
+        commit = os.pipe()
         try:
-            watches = [made.watches[k] for k in range(len(plan))]
-            pids = [watch.pid for watch in watches]
-            # The controller learns the clones' pids in its own pid namespace from these.
-            M.send_with_pidfds(
-                worker.sock, M.ClonesForked(pids), pids, [watch.fd for watch in watches]
-            )
-        except BaseException:
-            made.kill()  # the controller will never know them
-            raise
+            made = _fork_siblings(worker, plan, arg["num_envs"], arg["ring_capacity"], commit)
+            try:
+                watches = [made.watches[k] for k in range(len(plan))]
+                pids = [watch.pid for watch in watches]
+                # The controller learns the clones' pids in its own pid namespace from these.
+                M.send_with_pidfds(
+                    worker.sock, M.ClonesForked(pids), pids, [watch.fd for watch in watches]
+                )
+                os.write(commit[1], _COMMIT * len(plan))  # each clone may serve now
+            except BaseException:
+                made.kill()  # the controller will never know them
+                raise
+            finally:
+                made.close()
         finally:
-            made.close()
+            for fd in commit:
+                os.close(fd)
         return pids
     finally:
         for fd in fds:
@@ -256,9 +263,16 @@ class _FanOut:
     # double fork (a threaded source): clones block on it until every helper (its only
     # writers) is gone, i.e. until they are orphans about to be adopted.
     gate: int = -1
+    # The read end of the commit pipe: a clone serves only once it reads a byte from it,
+    # written after the controller has learnt every clone. EOF (the FORK failed, its
+    # worker died) makes it exit: a clone a killed helper made but never reported is
+    # known to no one else.
+    commit: int = -1
 
 
-def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> Forked:
+def _fork_siblings(
+    worker, plan: list[_Clone], num_envs: int, capacity: int, commit: tuple[int, int]
+) -> Forked:
     """Fork every clone of ``plan`` into a child of the warm parent; returns them once
     every clone has its snapshot of this worker's /tmp and /dev/shm. If any cannot be
     made, or the snapshots take more than SNAPSHOT_TIMEOUT, those made are killed and
@@ -274,6 +288,7 @@ def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> 
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT
     cores = len(os.sched_getaffinity(0)) or 1
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
+    fan.commit = commit[0]
     gate_write = -1
     if has_threads() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
@@ -285,7 +300,7 @@ def _fork_siblings(worker, plan: list[_Clone], num_envs: int, capacity: int) -> 
                 lambda k, close: _become_clone(fan, plan[k], close),
                 sibling=fan.gate < 0,
                 helpers=max(1, min(cores, len(plan) // FORKS_PER_HELPER)),
-                close=(read_end, gate_write),
+                close=(read_end, gate_write, commit[1]),
                 deadline=deadline,
                 seconds=SNAPSHOT_TIMEOUT,
             )
@@ -352,6 +367,9 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
             _await_adoption(fan.gate, worker.warm_parent)
+        if os.read(fan.commit, 1) != _COMMIT:
+            os._exit(0)  # the FORK failed: this clone is no one's
+        os.close(fan.commit)
         # In a fan-out larger than the cores, a clone spinning on its first wait would
         # take a core its siblings and the controller need to finish the branch.
         child.run(first_wait_asleep=fan.crowded)
