@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 import time
 import weakref
 from typing import Any
@@ -41,6 +42,7 @@ _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
 # Per warm parent: sandboxes a teardown killed whose exit the controller has not seen yet
 # (see bury()).
 _DYING: weakref.WeakKeyDictionary[Host, list[WorkerHandle]] = weakref.WeakKeyDictionary()
+_DYING_LOCK = threading.RLock()  # branches of one tree may be closed from two threads
 
 
 @atexit.register
@@ -62,11 +64,12 @@ def bury(host: Host, killed: list[WorkerHandle] | None = None, *, wait: bool) ->
     (~2 ms of a core for a 36 MB clone). While another vector env uses the warm parent,
     close() returns without waiting for that: the next teardown or fork of the tree, the
     close of its last user, or the interpreter's exit sees them gone."""
-    dying = _DYING.setdefault(host, [])
-    dying += killed or []
-    _release_gone(dying, wait)
-    if not dying:
-        del _DYING[host]
+    with _DYING_LOCK:
+        dying = _DYING.setdefault(host, [])
+        dying += killed or []
+        _release_gone(dying, wait)
+        if not dying:
+            del _DYING[host]
 
 
 def _release_gone(killed: list[WorkerHandle], wait: bool) -> None:
