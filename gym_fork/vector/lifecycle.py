@@ -43,10 +43,25 @@ _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
 # (see bury()).
 _DYING: weakref.WeakKeyDictionary[Host, list[WorkerHandle]] = weakref.WeakKeyDictionary()
 _DYING_LOCK = threading.RLock()  # branches of one tree may be closed from two threads
+_OWNER = os.getpid()  # the process whose sandboxes these are (a fork of it inherits them)
+
+
+def _forget_in_forked_child() -> None:
+    """In a fork of the controller: the parent's sandboxes are not ours to close."""
+    global _DYING_LOCK, _OWNER
+    _DYING_LOCK = threading.RLock()
+    _OWNER = os.getpid()
+    _OPEN.clear()
+    _DYING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
 @atexit.register
 def _close_all_at_exit() -> None:
+    if os.getpid() != _OWNER:  # forked by other means than os.fork(): not ours either
+        return
     for sandboxes in list(_OPEN):
         with contextlib.suppress(Exception):
             sandboxes.teardown(terminate=True)
@@ -67,19 +82,29 @@ def bury(host: Host, killed: list[WorkerHandle] | None = None, *, wait: bool) ->
     with _DYING_LOCK:
         dying = _DYING.setdefault(host, [])
         dying += killed or []
-        _release_gone(dying, wait)
-        if not dying:
+        waiting = list(dying)
+    _release_gone(waiting, wait, dying)  # the waits outside the lock
+    with _DYING_LOCK:
+        if not dying and _DYING.get(host) is dying:
             del _DYING[host]
 
 
-def _release_gone(killed: list[WorkerHandle], wait: bool) -> None:
+def _release_gone(
+    killed: list[WorkerHandle], wait: bool, listed: list[WorkerHandle] | None = None
+) -> None:
     """Release those of ``killed`` whose exit is seen (with ``wait``: every one, after
-    up to 1 s each), removing each from the list once released: an interruption
-    leaves the others listed (they are SIGKILLed already)."""
-    for worker in list(killed):
-        if worker.watch.wait_dead(1.0 if wait else 0) or wait:
-            killed.remove(worker)
-            worker.release()
+    up to 1 s each), each taken out of ``listed`` (shared: under the lock) once released;
+    one another caller released already is skipped, and an interruption leaves the
+    others listed (they are SIGKILLed already)."""
+    for worker in killed:
+        if not (worker.watch.wait_dead(1.0 if wait else 0) or wait):
+            continue
+        if listed is not None:
+            with _DYING_LOCK:
+                if worker not in listed:
+                    continue
+                listed.remove(worker)
+        worker.release()
 
 
 def _let_go(
@@ -89,9 +114,10 @@ def _let_go(
     killed: while another open vector env uses it, their exit is seen later
     (:func:`bury`); from its last user, they and those left before are waited for. Then
     it is released (closed by its last user), whatever the wait raised."""
-    shared = any(other.host is host and other is not leaving for other in list(_OPEN))
     try:
-        bury(host, killed, wait=not shared)
+        with _DYING_LOCK:  # two last branches closing at once: one of them waits for all
+            shared = any(other.host is host and other is not leaving for other in list(_OPEN))
+            bury(host, killed, wait=not shared)
     finally:
         host.release()
 
@@ -121,6 +147,7 @@ class Sandboxes:
     def __init__(self, config: VectorConfig, host: Host) -> None:
         self.config = config
         self.host = host
+        self.owner = os.getpid()  # a fork of the controller must not close these
         self.pool = WorkerPool(
             host,
             max_concurrency=config.max_concurrency,
@@ -365,10 +392,14 @@ class Sandboxes:
     # -- teardown -------------------------------------------------------------------
     def teardown(self, *, terminate: bool, timeout: float | None = None) -> None:
         """Close the sub-envs (unless ``terminate``), then kill and release every
-        sandbox, the host (if this was its last user), the slab and the lineage record."""
+        sandbox, the host (if this was its last user), the slab and the lineage record.
+        In a fork of the controller, nothing: the sandboxes are the parent's."""
+        if os.getpid() != self.owner:
+            return
         workers, self.pool.workers = self.pool.workers, []
-        gpu_at_close = gpu_memory(workers) if self.lineage is not None else None
+        gpu_at_close = None
         try:
+            gpu_at_close = gpu_memory(workers) if self.lineage is not None else None
             if not terminate:
                 self._close_sub_envs(workers, timeout)
         finally:  # a Ctrl-C or a warning turned error while closing still kills them all
@@ -388,13 +419,13 @@ class Sandboxes:
                 for fd in self._slab_fds:
                     os.close(fd)
                 self._slab_fds = []
-        if self.lineage is not None:
-            self.lineage.tree.close(
-                self.lineage.branch_id,
-                "terminated" if terminate else "closed",
-                gpu_memory=gpu_at_close,
-            )
-            self.lineage = None
+                if self.lineage is not None:
+                    self.lineage.tree.close(
+                        self.lineage.branch_id,
+                        "terminated" if terminate else "closed",
+                        gpu_memory=gpu_at_close,
+                    )
+                    self.lineage = None
 
     def _close_sub_envs(self, workers: list[WorkerHandle], timeout: float | None) -> None:
         live = [w for w in workers if w.alive()]

@@ -3,6 +3,9 @@ go of them once their exit is seen, at the latest when the tree's last user clos
 
 from __future__ import annotations
 
+import atexit
+import os
+
 import gymnasium as gym
 import numpy as np
 
@@ -73,3 +76,26 @@ def test_a_close_cut_short_still_kills_every_sandbox_and_closes_the_warm_parent(
     assert wait_until(lambda: not alive(pids), 5.0), [p for p in pids if alive([p])]
     assert host not in lifecycle._DYING
     assert envs.sandboxes not in lifecycle._OPEN
+
+
+def test_a_fork_of_the_controller_leaves_the_parents_sandboxes_alone():
+    """A child forked from the controller (a data loader, a user's os.fork()) that
+    closes the env it inherited, or just exits, does not close the parent's."""
+    envs = ForkVectorEnv([cartpole], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                envs.close()
+                atexit._run_exitfuncs()  # what an exit would run, without leaving this frame
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        _, rewards, _, _, _ = envs.step(np.array([0]))
+        assert list(rewards) == [1.0]
+    finally:
+        envs.close()
