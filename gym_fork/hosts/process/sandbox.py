@@ -51,6 +51,9 @@ from gym_fork.worker.loop import SubEnvSlot, Worker
 # Seconds a sandbox that answered CLOSE waits for its SIGKILL before it exits itself.
 CLOSED_WAIT_S = 5.0
 _COMMIT = b"c"  # one per clone on the commit pipe (_FanOut.commit)
+# Seconds after the FORK's own deadline (SNAPSHOT_TIMEOUT) that a clone waits for its
+# commit: the worker writes it right after the reports, the snapshots and one send.
+COMMIT_GRACE = 10.0
 # A fan-out gets one more helper (up to one per core) per this many clones.
 FORKS_PER_HELPER = 16
 # Seconds a FORK waits for its clones' snapshots of the source's /tmp and /dev/shm (and
@@ -268,6 +271,7 @@ class _FanOut:
     # worker died) makes it exit: a clone a killed helper made but never reported is
     # known to no one else.
     commit: int = -1
+    deadline: float = 0.0  # time.monotonic() past which the FORK has failed for certain
 
 
 def _fork_siblings(
@@ -288,7 +292,7 @@ def _fork_siblings(
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT
     cores = len(os.sched_getaffinity(0)) or 1
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
-    fan.commit = commit[0]
+    fan.commit, fan.deadline = commit[0], deadline + COMMIT_GRACE
     gate_write = -1
     if has_threads() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
@@ -366,9 +370,10 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
-            _await_adoption(fan.gate, worker.warm_parent)
-        if os.read(fan.commit, 1) != _COMMIT:
-            os._exit(0)  # the FORK failed: this clone is no one's
+            _await_adoption(fan.gate, worker.warm_parent, fan.deadline)
+        left = fan.deadline - time.monotonic()
+        if not wait_readable(fan.commit, max(0.0, left)) or os.read(fan.commit, 1) != _COMMIT:
+            os._exit(0)  # the FORK failed (or a hung helper holds the pipe): no one's clone
         os.close(fan.commit)
         # In a fan-out larger than the cores, a clone spinning on its first wait would
         # take a core its siblings and the controller need to finish the branch.
@@ -377,12 +382,16 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
     run_as_sandbox(body)
 
 
-def _await_adoption(gate: int, warm_parent: int) -> None:
+def _await_adoption(gate: int, warm_parent: int, deadline: float) -> None:
     """A clone of the double fork: block until every helper is gone (EOF on the gate),
-    then tie our life to the warm parent that adopts us. Set-up and HELLO happen
-    before, in parallel."""
-    while os.read(gate, 1):
-        pass
+    then tie our life to the warm parent that adopts us; exit if that has not happened
+    by ``deadline`` (a helper hung in env code). Set-up and HELLO happen before, in
+    parallel."""
+    while True:
+        if not wait_readable(gate, max(0.0, deadline - time.monotonic())):
+            os._exit(0)
+        if not os.read(gate, 1):
+            break
     os.close(gate)
     deadline = time.monotonic() + 5.0
     while os.getppid() != warm_parent and time.monotonic() < deadline:
