@@ -18,10 +18,8 @@ for ForkVectorEnv, a second vector env of the process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -61,17 +59,12 @@ def work_code(work: str) -> str:
 
 def measure(kind: str, work: str) -> dict[str, float]:
     """One fresh interpreter: its first and second vector env, and its wall time."""
+    from gym_fork.bench.fresh import last_json
+
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(imports=IMPORTS[kind], work=work_code(work))],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"the measuring process failed:\n{done.stderr[-3000:]}")
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "process": wall}
+    script = SCRIPT.format(imports=IMPORTS[kind], work=work_code(work))
+    figures = last_json([sys.executable, "-c", script], 120, "the measuring process")
+    return {**figures, "process": time.perf_counter() - started}
 
 
 def shown(values: list[float]) -> str:

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 
@@ -78,15 +77,10 @@ def measure_child(contender: str, kind: str, n: int) -> None:
 
 
 def run_fresh(contender: str, kind: str, n: int) -> dict[str, list[float]]:
-    done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", contender, kind, str(n)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{contender}: {done.stderr.strip().splitlines()[-3:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from gym_fork.bench.fresh import last_json
+
+    argv = [sys.executable, os.path.abspath(__file__), "--child", contender, kind, str(n)]
+    return last_json(argv, 600, contender)
 
 
 def main() -> None:

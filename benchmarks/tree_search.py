@@ -37,7 +37,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -249,24 +248,11 @@ def run_one(env_name: str, method: str, depth: int, width: int) -> dict[str, Any
 
 
 def _fresh(env_name: str, method: str, depth: int, width: int) -> dict[str, Any]:
-    out = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--one",
-            f"{env_name}:{method}",
-            "--depth",
-            str(depth),
-            "--width",
-            str(width),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{env_name}:{method} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from gym_fork.bench.fresh import last_json
+
+    argv = [sys.executable, __file__, "--one", f"{env_name}:{method}"]
+    argv += ["--depth", str(depth), "--width", str(width)]
+    return last_json(argv, 1800, f"{env_name}:{method}")
 
 
 def main() -> None:
