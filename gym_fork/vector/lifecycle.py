@@ -315,33 +315,39 @@ class Sandboxes:
             return
         workers = self.pool.workers
         old = [workers[k] for k in positions]
-        for worker in old:
-            worker.kill()
         slabs, attach_arg = self.slabs, self.attach_arg
         if slabs is None or attach_arg is None:
             raise RuntimeError("replace: the workers have not attached their slabs")
-        old_host = self._ensure_warm_parent()
-        if self._replacement_attach is None:
-            # Pickled once: the warm parent unpickles it once too, then shares it.
-            arg = dict(attach_arg, observation_mode="custom")
-            self._replacement_attach = cloudpickle.dumps(arg)
-        fds = [slabs.replace(k, new_slab_memfd()).region.fd for k in positions]
-        fresh = self._live_host().spawn(
-            [self.spec(w.indices) for w in old],
-            fds,
-            self.config.ring_bytes,
-            self._replacement_attach,
-        )
-        for k, worker in zip(positions, fresh, strict=True):
-            workers[k] = worker
+        old_host = None
         try:
+            old_host = self._ensure_warm_parent()
+            if self._replacement_attach is None:
+                # Pickled once: the warm parent unpickles it once too, then shares it.
+                arg = dict(attach_arg, observation_mode="custom")
+                self._replacement_attach = cloudpickle.dumps(arg)
+            fds = [slabs.replace(k, new_slab_memfd()).region.fd for k in positions]
+            fresh = self._live_host().spawn(
+                [self.spec(w.indices) for w in old],
+                fds,
+                self.config.ring_bytes,
+                self._replacement_attach,
+            )
+            for k, worker in zip(positions, fresh, strict=True):
+                workers[k] = worker
             self.receive_hellos(fresh)
         finally:
-            # After the HELLOs: the old sandboxes die while the new ones start.
+            # Killed only now, the old sandboxes' exits (the kernel tearing down their
+            # memory, ~2 ms of a core each) no longer compete with the new ones' start
+            # for the cores; they are released once seen gone (at the next replace at
+            # the latest), not waited for here.
             for worker in old:
-                worker.watch.wait_dead(1.0)
-                worker.release()
-            if old_host is not None:
+                worker.kill()
+            if old_host is None:
+                bury(self._live_host(), old, wait=False)
+            else:
+                for worker in old:
+                    worker.watch.wait_dead(1.0)
+                    worker.release()
                 _let_go(old_host)
         if self.lineage is not None and why != "reset_by_clone":  # resets would flood it
             self.lineage.tree.event(
