@@ -77,8 +77,7 @@ class WarmParent:
         tree's pid namespace)."""
         per = M.FDS_PER_SANDBOX
         attach = self.env_source.attach_arg(request.attach)
-        self.reap()  # an idle sandbox that died is out of the pool
-        pids = []
+        pids = []  # an idle sandbox that died is a zombie until reaped: assign skips it
         for k, spec in enumerate(request.workers):
             own = fds[per * k : per * (k + 1)]
             pid = self.idle.assign(M.Assign(spec, request.attach), own)
@@ -235,10 +234,12 @@ class WarmParent:
             # already (measured: at once beats waiting 10 ms for a quiet moment, which a
             # loop of resets never leaves).
             readable, _, _ = select.select(watched, [], [], 0.0 if refill_due else 0.2)
-            self.reap()
             if self.controller in readable:
                 return  # the controller is dead
+            # Reaping (a dead sandbox's scratch and cgroups removed: ~0.5-1 ms) waits
+            # until the request in hand is answered: it is not what the controller waits on.
             if not readable:
+                self.reap()
                 if refill_due:
                     self.spawned.update(self.idle.fill())
                     refill_due = False
@@ -258,6 +259,7 @@ class WarmParent:
                     M.send_with_pidfds(self.sock, reply, pids)
                     self.idle.note_request()
                     refill_due = True
+                self.reap()
             elif isinstance(message, M.WorkerStatus):
                 self.reap()
                 M.send(self.sock, M.WorkerExit(self.exit_codes.get(message.pid)))
