@@ -30,15 +30,16 @@ from gymnasium import spaces
 
 from gym_fork.bench.clones import pss_kb, tree_of
 
-SYNC, ASYNC, ENVPOOL, PUFFER, FORK, FORK1 = (
+SYNC, ASYNC, ENVPOOL, PUFFER, FORK, FORK1, CEILING = (
     "Sync",
     "Async",
     "EnvPool",
     "PufferLib mp x2",
     "ForkVectorEnv auto",
     "ForkVectorEnv 1/sandbox",
+    "ceiling: Sync split over cores",
 )
-CONTENDERS = [SYNC, ASYNC, ENVPOOL, PUFFER, FORK]
+CONTENDERS = [SYNC, ASYNC, ENVPOOL, PUFFER, FORK, CEILING]
 
 
 class Unavailable(Exception):
@@ -222,6 +223,8 @@ def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]
     """Construction + first reset (s), steps/s over ``steps`` vector steps (after 20
     warm-up steps) of one fresh vector env, and the cores it kept busy meanwhile (CPU
     seconds of every process involved over wall seconds)."""
+    if contender == CEILING:
+        return ceiling_steps(kind, n, steps)
     _, actions_n, _ = ENVS[kind]
     actions = np.random.default_rng(0).integers(0, actions_n, (steps + 20, n))
     started = time.perf_counter()
@@ -242,6 +245,58 @@ def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]
     finally:
         envs.close()
     return {"construction_s": construction, "steps_per_s": rate, "busy_cores": busy}
+
+
+def _ceiling_share(kind: str, n: int, steps: int, start, results) -> None:
+    """(In a process of its own.) Step a SyncVectorEnv of ``n`` envs ``steps`` times
+    from ``start`` on; put (wall seconds, CPU seconds) in ``results``."""
+    _, actions_n, _ = ENVS[kind]
+    envs = gym.vector.SyncVectorEnv([ENVS[kind][0] for _ in range(n)])
+    actions = np.random.default_rng(0).integers(0, actions_n, (steps + 20, n))
+    envs.reset(seed=0)
+    for a in actions[:20]:
+        envs.step(a)
+    start.wait()
+    started, cpu = time.perf_counter(), time.process_time()
+    for a in actions[20:]:
+        envs.step(a)
+    results.put((time.perf_counter() - started, time.process_time() - cpu))
+    envs.close()
+
+
+def ceiling_steps(kind: str, n: int, steps: int) -> dict[str, float]:
+    """What this machine's cores do with ``n`` envs of ``kind`` when nothing hands
+    anything over: the envs split over one plain process per core (at most ``n``), each
+    stepping its share in a loop, all started together; steps/s over the slowest share.
+    A vector env's steps/s against this is its efficiency on this machine (cores busy
+    with other jobs, or cores sharing caches and memory bandwidth, lower this too)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context()
+    k = max(1, min(n, len(os.sched_getaffinity(0))))
+    shares = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    start, results = ctx.Barrier(k + 1), ctx.Queue()
+    workers = [
+        ctx.Process(target=_ceiling_share, args=(kind, share, steps, start, results))
+        for share in shares
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        start.wait(timeout=120)
+        measured = [results.get(timeout=600) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    wall = max(w for w, _ in measured)
+    return {
+        "construction_s": float("nan"),
+        "steps_per_s": steps * n / wall,
+        "busy_cores": sum(c for _, c in measured) / wall,
+    }
 
 
 def pss_child(contender: str, kind: str, n: int) -> None:
@@ -334,7 +389,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
                     continue
                 samples[row][contender].append(got["steps_per_s"])
                 busy.setdefault(row, {}).setdefault(contender, []).append(got["busy_cores"])
-                if row == "CartPole x8":
+                if row == "CartPole x8" and contender != CEILING:
                     construction[contender].append(got["construction_s"])
                 log(
                     f"[{repeat + 1}/{repeats}] {row:<15} {contender:<20} "
@@ -402,8 +457,8 @@ def _cell(value: Any, row: str, notes: list[str]) -> str:
 def format_table(result: dict[str, Any], markdown: bool = False) -> str:
     """The medians as a table: a row per benchmark, a column per contender, the goal and
     whether ForkVectorEnv meets it; why a contender has no figure, under the table."""
-    columns = [SYNC, ASYNC, ENVPOOL, PUFFER, FORK, FORK1]
-    head = ["row", *columns, "goal", "ratio", "met"]
+    columns = [SYNC, ASYNC, ENVPOOL, PUFFER, FORK, FORK1, CEILING]
+    head = ["row", *columns, "goal", "ratio", "met", "ForkVectorEnv / ceiling"]
     notes: list[str] = []
     rows = []
     for row, values in result["table"].items():
@@ -415,6 +470,8 @@ def format_table(result: dict[str, Any], markdown: bool = False) -> str:
             "-" if value is None else f"{value:.2f}",
             {True: "yes", False: "NO", None: "?"}[met],
         ]
+        of_ceiling = ratio(values, FORK, CEILING)
+        cells.append("-" if of_ceiling is None else f"{of_ceiling:.2f}")
         rows.append(cells)
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
