@@ -70,12 +70,17 @@ def send(sock: socket.socket, message: Message, fds: tuple[int, ...] | list[int]
 
 
 def send_with_pidfds(
-    sock: socket.socket, message: Message, pids: list[int], pidfds: list[int] | None = None
+    sock: socket.socket,
+    message: Message,
+    pids: list[int],
+    pidfds: list[int] | None = None,
+    extra: tuple[int, ...] = (),
 ) -> None:
     """Send ``message`` with a pidfd of each of ``pids`` (the receiver learns their pids
     in its own namespace from them); its ``pidfds`` says which came (a process already
     reaped has none). ``pidfds``: the caller's own pidfds of them, sent as they are
-    (and not closed); without them each pid is opened now."""
+    (and not closed); without them each pid is opened now. ``extra``: fds sent after
+    the pidfds (the message's own, which it announces)."""
     opened = [_pidfd_or_none(pid) for pid in pids] if pidfds is None else []
     fds = opened if pidfds is None else pidfds
     try:
@@ -84,7 +89,7 @@ def send_with_pidfds(
         if len(fds) != len(pids):
             raise ValueError(f"{message.OP}: {len(fds)} pidfds for {len(pids)} processes")
         message = dataclasses.replace(message, **{"pidfds": [fd >= 0 for fd in fds]})
-        send(sock, message, [fd for fd in fds if fd >= 0])
+        send(sock, message, [fd for fd in fds if fd >= 0] + list(extra))
     finally:
         for fd in opened:
             if fd >= 0:
@@ -203,6 +208,17 @@ def _refuse(text: str) -> ControlMessageError:
 @functools.cache
 def _hints(kind: type) -> dict[str, Any]:
     return {f.name: typing.get_type_hints(kind)[f.name] for f in dataclasses.fields(kind)}
+
+
+def prepare_decoding(*kinds: type) -> None:
+    """Resolve the field types of ``kinds`` (and of the dataclasses in them) now: the
+    first decode of a type evaluates its annotations (~0.7 ms), which a process about to
+    fork children that receive it (the warm parent) pays once for all of them."""
+    for kind in kinds:
+        for hint in _hints(kind).values():
+            for inner in (hint, *typing.get_args(hint)):
+                if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                    prepare_decoding(inner)
 
 
 def _build(kind: type, fields: Any, where: str) -> Any:

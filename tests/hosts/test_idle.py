@@ -19,11 +19,11 @@ pytestmark = pytest.mark.process_only
 SPEC = M.SandboxSpec("w0", [0], [0], 4096)
 
 
-def wait_for_assignment(sock: socket.socket, close: list[int]) -> None:
+def wait_for_assignment(sock: socket.socket, close: list[int], taken: int) -> None:
     """An idle child for the tests: report what it was handed on fd 1's pipe, exit."""
     for fd in close:
         os.close(fd)
-    assignment, fds = idle.await_assignment(sock)
+    assignment, fds = idle.await_assignment(sock, taken)
     os.write(REPORT_W, f"{assignment.spec.name} {len(fds)}".encode())
     os._exit(0)
 
@@ -133,3 +133,49 @@ def test_the_pool_size_comes_from_the_environment(monkeypatch):
     assert idle.pool_size() == 16
     monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "lots")
     assert idle.pool_size() == idle.DEFAULT_SIZE
+
+
+def test_with_a_lease_channel_each_new_idle_sandbox_is_leased(pool):
+    pool.requests = 2
+    controller = socket.socket(fileno=pool.open_lease_channel())
+    try:
+        assert pool.open_lease_channel() is None  # once
+        new = pool.fill()
+        assert len(new) == 2 and made_pids(pool) == set() and set(pool.leased) == set(new)
+        offered = {}
+        for _ in new:
+            lease, (pidfd, sock_fd) = M.receive(controller, M.Leased)
+            os.close(pidfd)
+            offered[lease.pid] = socket.socket(fileno=sock_fd)
+        assert set(offered) == set(new)
+        first = new[0]
+        handed = fds()
+        M.send(offered[first], M.Assign(SPEC, None), handed)  # the controller assigns it
+        M.close_fds(handed)
+        taken = pool.leased[first]
+        assert wait_readable_fd(taken), "the assigned sandbox did not say it was taken"
+        pool.taken(taken)
+        assert set(pool.leased) == {new[1]}
+        assert reap(first) == 0
+        assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()
+        refill = pool.fill()  # back to the pool's size, leased too
+        assert len(refill) == 1 and set(pool.leased) == {new[1], *refill}
+        for sock in offered.values():
+            sock.close()
+    finally:
+        controller.close()
+
+
+def test_a_closed_lease_channel_kills_the_sandbox_it_could_not_lease(pool):
+    pool.requests = 2
+    controller = socket.socket(fileno=pool.open_lease_channel())
+    controller.close()
+    (first, *_) = pool.fill()
+    assert reap(first) == -signal.SIGKILL
+    assert pool.channel is None and first not in pool.leased
+
+
+def wait_readable_fd(fd: int, timeout: float = 5.0) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], timeout)[0])

@@ -33,6 +33,7 @@ from gym_fork.hosts.base import (
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
+from gym_fork.hosts.process.leases import IdleLeases, Lease
 from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
@@ -150,6 +151,7 @@ class ProcessHost(SharedByBranches):
         )
         self._handle_ids = itertools.count()
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
+        self._leases = IdleLeases()  # idle sandboxes the warm parent leased to us
         try:
             setup = init_message(config)
             while True:
@@ -268,6 +270,14 @@ class ProcessHost(SharedByBranches):
         ring_capacity: int,
         attach: bytes | None,
     ) -> list[WorkerHandle]:
+        if len(specs) == 1:  # a reset by clone, a replacement: a leased one if there is
+            with self._lock:
+                lease = self._leases.take(self._new_members)
+                self._note_discarded_idle(self._leases.take_discarded())
+            if lease is not None:
+                made = self._assign_leased(lease, specs[0], slab_fds[0], ring_capacity, attach)
+                if made is not None:
+                    return made
         ends = [SandboxEnds(spec, ring_capacity, self._collector()) for spec in specs]
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
@@ -283,6 +293,8 @@ class ProcessHost(SharedByBranches):
             with self._lock:
                 M.send(sock, request, fds)
                 reply, pidfds = M.receive_reply(sock, 60.0, what, M.Spawned, M.Refused)
+                if isinstance(reply, M.Spawned) and reply.lease_channel:
+                    self._leases.open(pidfds.pop())
             if isinstance(reply, M.Refused):
                 return reply, []
             if len(reply.pids) != len(specs):
@@ -361,6 +373,20 @@ class ProcessHost(SharedByBranches):
             ]
 
         return finish
+
+    def _assign_leased(
+        self, lease: Lease, spec: WorkerSpec, slab_fd: int, ring_capacity: int, attach: bytes | None
+    ) -> list[WorkerHandle] | None:
+        """The sandbox of ``spec``, made by sending its assignment to a leased idle
+        sandbox; None (the lease discarded) if it cannot take it."""
+        end = SandboxEnds(spec, ring_capacity, self._collector())
+        sandbox = M.SandboxSpec(spec.name, list(spec.indices), list(spec.origins), ring_capacity)
+        taken = lease.assign(M.Assign(sandbox, attach), [slab_fd, *end.fds()])
+        end.handed_over()
+        if not taken:
+            end.abort()
+            return None
+        return [end.handle(lease.local_pid, lease.watch)]
 
     def _note_discarded_idle(self, discarded: list[list[Any]]) -> None:
         """The warm parent found idle sandboxes stopped when it was to hand them a spec:
@@ -454,6 +480,8 @@ class ProcessHost(SharedByBranches):
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
+        with self._lock:
+            self._leases.close()
         self._stop_warm_parent(timeout)
         if self.output is not None:
             self.output.close()

@@ -9,9 +9,18 @@ hands it its spec and fds (slab, channel, side socket, stdout, stderr). The pool
 refilled after the reply to a request (off the request's path), and only once a second
 spawn request shows that the tree makes sandboxes after its construction.
 
+Leases: from the second request on, the warm parent hands each idle sandbox it makes
+to the controller (a :class:`~gym_fork.hosts.process.messages.Leased` on a lease
+channel, with a pidfd of it and its assignment socket), which then sends a new
+sandbox's spec and fds to it directly: no round trip to the warm parent before a clone
+starts, and the warm parent's work after its fork (it copies the pages it writes, ~2 ms)
+off that path. An idle sandbox closes its end of a "taken" pipe once assigned; its EOF
+(or the sandbox's death) tells the warm parent to make the next one.
+
 An idle sandbox holds nothing of the controller's: it closes the warm parent's socket,
-its pidfd of the controller and the other idle sandboxes' sockets before isolating.
-``GYM_FORK_IDLE_SANDBOXES`` sets the pool's size (default 2; 0 turns it off).
+its pidfd of the controller, the lease channel and the other idle sandboxes' sockets and
+pipes before isolating. ``GYM_FORK_IDLE_SANDBOXES`` sets the pool's size (default 2; 0
+turns it off).
 """
 
 from __future__ import annotations
@@ -44,18 +53,49 @@ class Idle:
     sock: socket.socket
 
 
+Become = Callable[[socket.socket, list[int], int], None]
+
+
 class IdlePool:
     """The warm parent's idle sandboxes.
 
-    ``become(sock, close)`` runs in each new child: it must isolate the process, close
-    the fds in ``close`` and never return (it waits for its assignment on ``sock``)."""
+    ``become(sock, close, taken)`` runs in each new child: it must isolate the process,
+    close the fds in ``close`` and never return (it waits for its assignment on ``sock``,
+    then closes ``taken`` unless it is -1: :func:`await_assignment`)."""
 
-    def __init__(self, size: int, become: Callable[[socket.socket, list[int]], None]) -> None:
+    def __init__(self, size: int, become: Become) -> None:
         self.size = size
         self.become = become
         self.waiting: list[Idle] = []
         self.requests = 0
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
+        self.channel: socket.socket | None = None  # our end of the lease channel
+        self.leased: dict[int, int] = {}  # leased idle sandbox's pid -> its taken pipe
+
+    def open_lease_channel(self) -> int | None:
+        """From the second request on (once): the controller's end of a new lease
+        channel, for the caller to send and close; None when there is none to open."""
+        if self.channel is not None or self.size == 0 or self.requests < 2:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channel = ours
+        return theirs.detach()
+
+    def taken_fds(self) -> list[int]:
+        """The taken pipes of the leased idle sandboxes (readable: taken or dead)."""
+        return list(self.leased.values())
+
+    def taken(self, fd: int) -> None:
+        """The leased idle sandbox of taken pipe ``fd`` was assigned (or died)."""
+        for pid, pipe in list(self.leased.items()):
+            if pipe == fd:
+                del self.leased[pid]
+                os.close(pipe)
+
+    def _internal_fds(self) -> list[int]:
+        """What a new idle sandbox must not keep of the warm parent's own."""
+        fds = [i.sock.fileno() for i in self.waiting] + self.taken_fds()
+        return fds + ([self.channel.fileno()] if self.channel is not None else [])
 
     def note_request(self) -> None:
         """A spawn request was served: from the second on, the pool is kept full."""
@@ -63,6 +103,9 @@ class IdlePool:
 
     def forget(self, pid: int) -> None:
         """``pid`` was reaped: if it was idle, it is out of the pool."""
+        pipe = self.leased.pop(pid, None)
+        if pipe is not None:
+            os.close(pipe)
         for idle in self.waiting:
             if idle.pid == pid:
                 idle.sock.close()
@@ -70,19 +113,48 @@ class IdlePool:
                 return
 
     def fill(self) -> list[int]:
-        """Fork idle sandboxes until the pool is full; returns the new pids."""
+        """Fork idle sandboxes until the pool (waiting and leased) is full, each leased
+        to the controller where a lease channel is open; returns the new pids."""
         new = []
-        while self.requests >= 2 and len(self.waiting) < self.size:
+        while self.requests >= 2 and len(self.waiting) + len(self.leased) < self.size:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            taken_r, taken_w = os.pipe() if self.channel is not None else (-1, -1)
             pid = fork()
             if pid == 0:
                 ours.close()
-                self.become(theirs, [i.sock.fileno() for i in self.waiting])
+                if taken_r >= 0:
+                    os.close(taken_r)
+                self.become(theirs, self._internal_fds(), taken_w)
                 os._exit(70)  # never reached: become() does not return
             theirs.close()
-            self.waiting.append(Idle(pid, ours))
             new.append(pid)
+            if taken_r < 0:
+                self.waiting.append(Idle(pid, ours))
+                continue
+            os.close(taken_w)
+            self._lease(pid, ours, taken_r)
         return new
+
+    def _lease(self, pid: int, sock: socket.socket, taken_r: int) -> None:
+        """Hand idle sandbox ``pid`` to the controller; if the lease channel is gone (the
+        controller closed it), the sandbox is killed and the channel dropped."""
+        channel = self.channel
+        assert channel is not None
+        try:
+            pidfd = os.pidfd_open(pid)
+            try:
+                M.send(channel, M.Leased(pid, [True]), [pidfd, sock.fileno()])
+            finally:
+                os.close(pidfd)
+        except OSError:
+            kill_child(pid)
+            os.close(taken_r)
+            channel.close()
+            self.channel = None
+        else:
+            self.leased[pid] = taken_r
+        finally:
+            sock.close()
 
     def assign(self, assignment: M.Assign, fds: list[int]) -> int:
         """Hand ``assignment`` and ``fds`` to an idle sandbox; its pid, or 0 when none is
@@ -118,6 +190,12 @@ class IdlePool:
         for idle in self.waiting:
             idle.sock.close()
         self.waiting.clear()
+        for pipe in self.leased.values():
+            os.close(pipe)
+        self.leased.clear()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 # States of an idle sandbox that must not be handed a spec: stopped (by a signal, or in
@@ -126,10 +204,11 @@ class IdlePool:
 _UNUSABLE = ("T", "t", "Z", "X", "x")
 
 
-def await_assignment(sock: socket.socket) -> tuple[M.Assign, list[int]]:
-    """In an idle sandbox: block until the warm parent hands over a spec and fds; exit
-    quietly if it closes the socket instead (the tree is going away), with 70 if what
-    came is not an assignment."""
+def await_assignment(sock: socket.socket, taken: int = -1) -> tuple[M.Assign, list[int]]:
+    """In an idle sandbox: block until the warm parent (or, leased, the controller)
+    hands over a spec and fds, then close ``taken`` (unless -1); exit quietly if the
+    other end closes the socket instead (the tree is going away), with 70 if what came
+    is not an assignment."""
     try:
         message, fds = M.receive(sock, M.Assign)
     except ControlMessageError:
@@ -137,4 +216,6 @@ def await_assignment(sock: socket.socket) -> tuple[M.Assign, list[int]]:
     except (EOFError, ConnectionError, OSError):
         os._exit(0)
     sock.close()
+    if taken >= 0:
+        os.close(taken)
     return message, fds

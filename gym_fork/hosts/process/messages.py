@@ -11,7 +11,9 @@ Each travels as a dict ``{"op": OP, field: value, ...}`` in a control-socket fra
    :class:`Ready` (+ its pidfd) or :class:`PrepareFailed`; :class:`Spawn` (+
    ``FDS_PER_SANDBOX`` per sandbox) :class:`Spawned` (+ pidfds) or :class:`Refused`;
    :class:`WorkerStatus` :class:`WorkerExit`; :class:`Exit` has no answer.
-3. warm parent -> idle sandbox (``idle.py``): :class:`Assign` (+ its fds).
+3. warm parent -> idle sandbox (``idle.py``): :class:`Assign` (+ its fds); or, the
+   sandbox leased (:class:`Leased` on the lease channel, from the warm parent to the
+   controller), controller -> idle sandbox: the same :class:`Assign`.
 4. controller -> worker, on its side socket (``host.py`` / ``sandbox.py``):
    :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` per clone) goes with the ring's FORK request,
    answered :class:`ClonesForked` (+ pidfds) before the FORK reply.
@@ -32,6 +34,7 @@ from gym_fork.transport.control import MAX_MESSAGE_BYTES
 # (``M.send(sock, M.Spawn(...))``).
 from gym_fork.transport.typed_messages import Message
 from gym_fork.transport.typed_messages import close_fds as close_fds
+from gym_fork.transport.typed_messages import prepare_decoding as prepare_decoding
 from gym_fork.transport.typed_messages import receive as receive
 from gym_fork.transport.typed_messages import receive_reply as receive_reply
 from gym_fork.transport.typed_messages import send as send
@@ -146,11 +149,29 @@ class Spawn(Message):
 @dataclass(frozen=True)
 class Spawned(Message):
     """Warm parent: the sandboxes' pids (in the tree's pid namespace), a pidfd of each
-    that lives; ``idle_discarded``: [pid, state] of stopped idle sandboxes it killed."""
+    that lives; ``idle_discarded``: [pid, state] of stopped idle sandboxes it killed;
+    ``lease_channel``: one more fd, after the pidfds, the controller's end of the lease
+    channel (once, from the second Spawn on: idle.py)."""
 
     OP = "spawned"
     pids: list[int]
     idle_discarded: list[list[Any]]
+    pidfds: list[bool] = field(default_factory=list)
+    lease_channel: bool = False
+
+    def fd_count(self) -> int:
+        return super().fd_count() + int(self.lease_channel)
+
+
+@dataclass(frozen=True)
+class Leased(Message):
+    """Warm parent, on the lease channel: idle sandbox ``pid`` (the tree's pid) is the
+    controller's to assign; fds: a pidfd of it, then its assignment socket."""
+
+    FDS = 1
+    OP = "leased"
+    MAX_BYTES = 4096
+    pid: int
     pidfds: list[bool] = field(default_factory=list)
 
 

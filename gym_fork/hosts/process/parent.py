@@ -70,6 +70,8 @@ class WarmParent:
         self.controller = controller  # a pidfd of the controller, -1 if none
         self.is_init = bool(tree.tree.get("pid"))
         self.idle = IdlePool(idle_pool_size(), self._become_idle)
+        # What its sandboxes will receive (an idle one's assignment, a source's clone fds).
+        M.prepare_decoding(M.Assign, M.CloneFds)
 
     def spawn(self, request: M.Spawn, fds: list[int]) -> list[int]:
         """Fork one worker per spec of ``request``; fds: FDS_PER_SANDBOX per worker (its
@@ -175,7 +177,7 @@ class WarmParent:
             return {"unsafe": unsafe}
         return None if learnt is None else {"names": learnt[0], "since": learnt[1]}
 
-    def _become_idle(self, sock: socket.socket, close: list[int]) -> None:
+    def _become_idle(self, sock: socket.socket, close: list[int], taken: int) -> None:
         """An idle sandbox (gym_fork/hosts/process/idle.py): isolate now, then wait for
         a spec and fds, then serve like any sandbox."""
 
@@ -184,7 +186,7 @@ class WarmParent:
             scratch, achieved = enter_sandbox(
                 self.isolation_config, self.tree_isolation, self.pid, None
             )
-            assigned, fds = await_assignment(sock)
+            assigned, fds = await_assignment(sock, taken)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)
             attach = self.env_source.attach_arg(assigned.attach)
@@ -227,22 +229,32 @@ class WarmParent:
 
     def serve(self) -> None:
         """Answer the controller until it says exit, closes the socket or dies."""
-        watched = [self.sock] + ([self.controller] if self.controller >= 0 else [])
-        refill_due = False
+        watched: list[Any] = [self.sock] + ([self.controller] if self.controller >= 0 else [])
+        refill_at: float | None = None  # when to refill the idle pool
         while True:
             # The idle pool is refilled after a reply unless the next request is waiting
             # already (measured: at once beats waiting 10 ms for a quiet moment, which a
-            # loop of resets never leaves).
-            readable, _, _ = select.select(watched, [], [], 0.0 if refill_due else 0.2)
+            # loop of resets never leaves). A leased one taken is replaced after
+            # LEASE_REFILL_DELAY_S while another is left: a fork and a new sandbox's
+            # set-up (~4 ms of CPU) would compete with the clone that took it.
+            taken = self.idle.taken_fds()
+            wait = 0.2 if refill_at is None else max(0.0, refill_at - time.monotonic())
+            readable, _, _ = select.select(watched + taken, [], [], wait)
             if self.controller in readable:
                 return  # the controller is dead
+            for fd in set(readable) & set(taken):  # a leased idle sandbox was assigned
+                self.idle.taken(fd)
+                readable.remove(fd)
+                delay = LEASE_REFILL_DELAY_S if self.idle.leased else 0.0
+                soon = time.monotonic() + delay
+                refill_at = soon if refill_at is None else min(refill_at, soon)
             # Reaping (a dead sandbox's scratch and cgroups removed: ~0.5-1 ms) waits
             # until the request in hand is answered: it is not what the controller waits on.
             if not readable:
                 self.reap()
-                if refill_due:
+                if refill_at is not None and time.monotonic() >= refill_at:
                     self.spawned.update(self.idle.fill())
-                    refill_due = False
+                    refill_at = None
                 continue
             try:  # a bad message too: the controller's bug, nothing to serve on
                 message, fds = M.receive(self.sock, M.Spawn, M.WorkerStatus, M.Exit)
@@ -254,17 +266,30 @@ class WarmParent:
                 except Exception as exc:
                     M.send(self.sock, M.Refused(repr(exc)))
                 else:
-                    # Stopped idle sandboxes it killed: the controller warns.
-                    reply = M.Spawned(pids, self.idle.take_discarded())
-                    M.send_with_pidfds(self.sock, reply, pids)
                     self.idle.note_request()
-                    refill_due = True
+                    channel = self.idle.open_lease_channel()
+                    # Stopped idle sandboxes it killed: the controller warns.
+                    reply = M.Spawned(
+                        pids, self.idle.take_discarded(), lease_channel=channel is not None
+                    )
+                    try:
+                        extra = () if channel is None else (channel,)
+                        M.send_with_pidfds(self.sock, reply, pids, extra=extra)
+                    finally:
+                        if channel is not None:
+                            os.close(channel)
+                    refill_at = time.monotonic()
                 self.reap()
             elif isinstance(message, M.WorkerStatus):
                 self.reap()
                 M.send(self.sock, M.WorkerExit(self.exit_codes.get(message.pid)))
             else:
                 return
+
+
+# How long a warm parent waits before it replaces a leased idle sandbox that was taken
+# while another is left (see serve()).
+LEASE_REFILL_DELAY_S = 0.02
 
 
 def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> None:

@@ -1,0 +1,165 @@
+"""Idle sandboxes leased to the controller: a new sandbox without a round trip.
+
+From its second spawn request on, a warm parent hands each idle sandbox it makes to the
+controller over a lease channel (gym_fork/hosts/process/idle.py): a
+:class:`~gym_fork.hosts.process.messages.Leased` with a pidfd of it and its assignment
+socket. A spawn of one sandbox then sends the new sandbox's spec and fds straight to a
+leased idle sandbox; the warm parent is not on that path at all (its reply, and the
+pages it copies after each of its forks, cost ~1-3 ms there).
+
+What comes on the channel is the warm parent's word, and it runs env code: each lease
+must carry a pidfd of a live child of the warm parent that the controller does not hold
+yet (``admit``), and a socket; a stopped or dead idle sandbox is killed and skipped (as
+the warm parent itself skips one it would assign). A channel that sends anything else,
+or stalls mid-message, is closed: spawns then ask the warm parent as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gym_fork.errors import ControlMessageError, SandboxStartError
+from gym_fork.hosts.process import messages as M
+from gym_fork.system.children import child_state
+from gym_fork.system.linux import ProcessWatch, wait_readable
+from gym_fork.transport.typed_messages import adopt_pidfds
+
+# The most leases held at once (the warm parent leases as many as its pool's size).
+MAX_LEASES = 16
+# A lease message stalled mid-way for longer than this closes the channel.
+CHANNEL_TIMEOUT_S = 1.0
+# Process states of an idle sandbox that must not be assigned (as in idle.py).
+_UNUSABLE = ("T", "t", "Z", "X", "x")
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+@dataclass
+class Lease:
+    """One idle sandbox the controller may assign: its pid in the tree's namespace, a
+    watch of it (our pid), and its assignment socket."""
+
+    local_pid: int
+    watch: ProcessWatch
+    sock: socket.socket
+
+    def assign(self, assignment: M.Assign, fds: list[int]) -> bool:
+        """Send it ``assignment`` and ``fds`` (ours to close); False, and it is discarded,
+        if it cannot take them (dead)."""
+        try:
+            self.sock.settimeout(2.0)  # a small message into an empty buffer
+            M.send(self.sock, assignment, fds)
+        except OSError:
+            self.discard()
+            return False
+        self.sock.close()
+        return True
+
+    def discard(self) -> None:
+        """Kill it (it never ran a sub-env) and let go of it."""
+        with contextlib.suppress(OSError):
+            self.watch.kill()
+        self.close()
+
+    def close(self) -> None:
+        """Let go of it: an idle sandbox whose socket closes exits."""
+        self.sock.close()
+        self.watch.close()
+
+
+class IdleLeases:
+    """The controller's leased idle sandboxes of one warm parent (callers hold the
+    host's lock)."""
+
+    def __init__(self) -> None:
+        self.channel: socket.socket | None = None
+        self.ready: list[Lease] = []
+        self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
+
+    def open(self, fd: int) -> None:
+        """The warm parent's lease channel arrived (our end, ``fd``)."""
+        if self.channel is not None:
+            os.close(fd)
+            return
+        self.channel = socket.socket(fileno=fd)
+        self.channel.settimeout(CHANNEL_TIMEOUT_S)
+
+    def take(self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]]) -> Lease | None:
+        """A usable leased idle sandbox, or None. ``admit`` checks that a watch names a
+        new sandbox of the tree (the host's ``_new_members``)."""
+        self._drain(admit)
+        while self.ready:
+            lease = self.ready.pop(0)
+            state = child_state(lease.watch.pid) if lease.watch.alive() else "X"
+            if state not in _UNUSABLE:
+                return lease
+            if state in ("T", "t"):
+                self.discarded.append([lease.watch.pid, state])
+            lease.discard()
+        return None
+
+    def take_discarded(self) -> list[list]:
+        """[pid, state] of the stopped leased sandboxes killed since the last call."""
+        discarded, self.discarded = self.discarded, []
+        return discarded
+
+    def _drain(self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]]) -> None:
+        """Read the leases waiting on the channel (without blocking for new ones; at
+        most MAX_LEASES per call, however many a warm parent keeps sending)."""
+        for _ in range(MAX_LEASES):
+            channel = self.channel
+            if channel is None or not wait_readable(channel.fileno(), 0):
+                return
+            try:
+                lease, fds = M.receive(channel, M.Leased)
+            except (ControlMessageError, EOFError, OSError):
+                self._close_channel()  # the warm parent went, or sent what it must not
+                return
+            if lease.pidfds != [True]:  # an idle sandbox comes with a pidfd of it, alive
+                M.close_fds(fds)
+                self._close_channel()
+                return
+            pidfd, sock_fd = fds
+            if not _is_socket(sock_fd):
+                M.close_fds(fds)
+                self._close_channel()
+                return
+            try:
+                (watch,) = adopt_pidfds([lease.pid], lease.pidfds, [pidfd])  # or pidfd closed
+            except SandboxStartError:
+                os.close(sock_fd)
+                self._close_channel()
+                return
+            sock = socket.socket(fileno=sock_fd)
+            try:
+                admit([watch], "a leased idle sandbox")
+            except SandboxStartError:
+                sock.close()  # admit() closed the watch
+                self._close_channel()
+                return
+            if len(self.ready) >= MAX_LEASES:
+                Lease(lease.pid, watch, sock).discard()
+                continue
+            self.ready.append(Lease(lease.pid, watch, sock))
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def close(self) -> None:
+        """Let go of the channel and every lease (their idle sandboxes exit)."""
+        self._close_channel()
+        for lease in self.ready:
+            lease.close()
+        self.ready.clear()

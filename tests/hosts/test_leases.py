@@ -1,0 +1,237 @@
+"""Leased idle sandboxes (gym_fork/hosts/process/leases.py, idle.py): the warm parent
+hands its idle sandboxes to the controller, which assigns them without a round trip;
+what comes on the lease channel is checked as the word of a process that runs env code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork import ForkVectorEnv
+from gym_fork.errors import SandboxStartError
+from gym_fork.hosts.process import leases
+from gym_fork.hosts.process import messages as M
+from tests.helpers import alive, wait_until
+
+pytestmark = pytest.mark.process_only
+ONE = np.zeros(1, dtype=np.int64)
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def leased_pids(envs: ForkVectorEnv) -> set[int]:
+    return {lease.watch.pid for lease in envs.sandboxes.host._leases.ready}
+
+
+def drain(envs: ForkVectorEnv) -> set[int]:
+    """Read the leases the warm parent sent (as a spawn would) and return their pids."""
+    host = envs.sandboxes.host
+    with host._lock:
+        host._leases._drain(host._new_members)
+    return leased_pids(envs)
+
+
+def test_a_reset_by_clone_takes_a_leased_idle_sandbox(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "2")
+    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
+        envs.reset(seed=0)
+        envs.reset(seed=1)  # the second spawn request opens the lease channel
+        assert envs.sandboxes.host._leases.channel is not None
+        assert wait_until(lambda: len(drain(envs)) == 2, 5.0)
+        for seed in range(2, 6):
+            assert wait_until(lambda: drain(envs), 5.0)  # one taken is replaced soon after
+            offered = leased_pids(envs)
+            envs.reset(seed=seed)
+            (pid,) = envs.worker_pids
+            assert pid in offered, "the clone did not come from a lease"
+            envs.step(ONE)
+        report = envs.isolation  # assigned by the controller, isolated like any other
+        assert report["capabilities"].startswith("dropped") and report["seccomp"].startswith("on (")
+        assert report["namespaces"]["pid"] and report["private_tmp"]
+        held = drain(envs)
+    assert wait_until(lambda: not alive(held), 5.0), "leased idle sandboxes outlived close()"
+
+
+def test_a_leased_sandbox_killed_before_use_is_skipped(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "1")
+    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
+        envs.reset(seed=0)
+        envs.reset(seed=1)
+        assert wait_until(lambda: len(drain(envs)) == 1, 5.0)
+        (victim,) = drain(envs)
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: not alive({victim}), 3.0)
+        envs.reset(seed=2)
+        assert victim not in envs.worker_pids
+        _, reward, *_ = envs.step(ONE)
+        assert reward[0] == 1.0
+
+
+def test_a_stopped_leased_sandbox_is_killed_and_named(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "1")
+    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
+        envs.reset(seed=0)
+        envs.reset(seed=1)
+        assert wait_until(lambda: len(drain(envs)) == 1, 5.0)
+        (stopped,) = drain(envs)
+        os.kill(stopped, signal.SIGSTOP)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            envs.reset(seed=2)
+        assert any("stopped" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert stopped not in envs.worker_pids
+        assert wait_until(lambda: not alive({stopped}), 3.0)
+        envs.step(ONE)
+
+
+@pytest.fixture
+def channel():
+    """Our end of a lease channel (IdleLeases) and the other end, the warm parent's."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    held = leases.IdleLeases()
+    held.open(ours.detach())
+    yield held, theirs
+    held.close()
+    theirs.close()
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+
+
+def admit_all(watches, what):
+    return watches
+
+
+def refuse(watches, what):
+    for watch in watches:
+        watch.close()
+    raise SandboxStartError(f"{what}: process is not a new sandbox")
+
+
+def test_a_lease_of_a_process_outside_the_tree_closes_the_channel(channel):
+    held, warm_parent = channel
+    victim = sleeper()
+    a, b = socket.socketpair()
+    try:
+        pidfd = os.pidfd_open(victim.pid)
+        M.send(warm_parent, M.Leased(victim.pid, [True]), [pidfd, a.fileno()])
+        os.close(pidfd)
+        assert held.take(refuse) is None
+        assert held.channel is None  # the warm parent said what it must not: no more leases
+        assert victim.poll() is None, "a process the controller was merely told of was signalled"
+    finally:
+        victim.kill()
+        victim.wait()
+        a.close()
+        b.close()
+
+
+def test_a_lease_whose_socket_is_no_socket_closes_the_channel(channel):
+    held, warm_parent = channel
+    victim = sleeper()
+    r, w = os.pipe()
+    try:
+        pidfd = os.pidfd_open(victim.pid)
+        M.send(warm_parent, M.Leased(victim.pid, [True]), [pidfd, r])
+        os.close(pidfd)
+        assert held.take(admit_all) is None
+        assert held.channel is None
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+        os.close(r)
+        os.close(w)
+
+
+def test_a_lease_with_a_pid_that_is_not_its_pidfds_closes_the_channel(channel):
+    held, warm_parent = channel
+    victim = sleeper()
+    a, b = socket.socketpair()
+    try:
+        pidfd = os.pidfd_open(victim.pid)
+        M.send(warm_parent, M.Leased(os.getpid(), [True]), [pidfd, a.fileno()])
+        os.close(pidfd)
+        assert held.take(admit_all) is None
+        assert held.channel is None
+    finally:
+        victim.kill()
+        victim.wait()
+        a.close()
+        b.close()
+
+
+def test_a_good_lease_is_taken_and_a_dead_one_discarded(channel):
+    held, warm_parent = channel
+    first, second = sleeper(), sleeper()
+    pairs = [socket.socketpair(), socket.socketpair()]
+    try:
+        for proc, (a, _) in zip((first, second), pairs, strict=True):
+            pidfd = os.pidfd_open(proc.pid)
+            M.send(warm_parent, M.Leased(proc.pid, [True]), [pidfd, a.fileno()])
+            os.close(pidfd)
+        first.kill()
+        first.wait()
+        lease = held.take(admit_all)
+        assert lease is not None and lease.watch.pid == second.pid
+        assert held.ready == [] and held.channel is not None
+        lease.close()
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_channel_that_closes_means_no_leases(channel):
+    held, warm_parent = channel
+    warm_parent.close()
+    assert held.take(admit_all) is None
+    assert held.channel is None
+
+
+def test_a_lease_without_a_pidfd_closes_the_channel(channel):
+    held, warm_parent = channel
+    a, b = socket.socketpair()
+    try:
+        M.send(warm_parent, M.Leased(12345, [False]), [a.fileno()])
+        assert held.take(admit_all) is None
+        assert held.channel is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_flood_of_leases_is_read_a_bounded_number_at_a_time(channel):
+    held, warm_parent = channel
+    proc = sleeper()
+    pairs = []
+    try:
+        for _ in range(leases.MAX_LEASES + 5):
+            a, b = socket.socketpair()
+            pairs.append((a, b))
+            pidfd = os.pidfd_open(proc.pid)
+            M.send(warm_parent, M.Leased(proc.pid, [True]), [pidfd, a.fileno()])
+            os.close(pidfd)
+        held._drain(admit_all)
+        assert len(held.ready) == leases.MAX_LEASES  # the rest waits on the channel
+    finally:
+        proc.kill()
+        proc.wait()
+        for a, b in pairs:
+            a.close()
+            b.close()
