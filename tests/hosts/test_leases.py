@@ -63,36 +63,38 @@ def test_a_reset_by_clone_takes_a_leased_idle_sandbox(monkeypatch):
     assert wait_until(lambda: not alive(held), 5.0), "leased idle sandboxes outlived close()"
 
 
-def test_a_leased_sandbox_killed_before_use_is_skipped(monkeypatch):
+@pytest.fixture
+def one_lease(monkeypatch):
+    """A vector env whose warm parent has leased its one idle sandbox, and that pid."""
     monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "1")
     with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
         envs.reset(seed=0)
         envs.reset(seed=1)
         assert wait_until(lambda: len(drain(envs)) == 1, 5.0)
-        (victim,) = drain(envs)
-        os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not alive({victim}), 3.0)
+        (pid,) = drain(envs)
+        yield envs, pid
+
+
+def test_a_leased_sandbox_killed_before_use_is_skipped(one_lease):
+    envs, victim = one_lease
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(lambda: not alive({victim}), 3.0)
+    envs.reset(seed=2)
+    assert victim not in envs.worker_pids
+    _, reward, *_ = envs.step(ONE)
+    assert reward[0] == 1.0
+
+
+def test_a_stopped_leased_sandbox_is_killed_and_named(one_lease):
+    envs, stopped = one_lease
+    os.kill(stopped, signal.SIGSTOP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         envs.reset(seed=2)
-        assert victim not in envs.worker_pids
-        _, reward, *_ = envs.step(ONE)
-        assert reward[0] == 1.0
-
-
-def test_a_stopped_leased_sandbox_is_killed_and_named(monkeypatch):
-    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "1")
-    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
-        envs.reset(seed=0)
-        envs.reset(seed=1)
-        assert wait_until(lambda: len(drain(envs)) == 1, 5.0)
-        (stopped,) = drain(envs)
-        os.kill(stopped, signal.SIGSTOP)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            envs.reset(seed=2)
-        assert any("stopped" in str(w.message) for w in caught), [str(w.message) for w in caught]
-        assert stopped not in envs.worker_pids
-        assert wait_until(lambda: not alive({stopped}), 3.0)
-        envs.step(ONE)
+    assert any("stopped" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert stopped not in envs.worker_pids
+    assert wait_until(lambda: not alive({stopped}), 3.0)
+    envs.step(ONE)
 
 
 @pytest.fixture
