@@ -1,7 +1,9 @@
 """Cold starts against clones of a warm parent: time, fan-out and memory (PSS).
 
 cold      env_fn() + reset + first step, in this process
-clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step
+clone     reset of a from_parent sub-env by a fresh clone (reset_mode="clone") + first step,
+          back to back, and ``clone_apart``: the same 30 ms apart (as an RL loop's reset comes
+          at an episode's end, after the idle pool has been refilled)
 fork      fork() of a running sub-env into a 1-env branch + first step
 fan-out   fork(copies=N) + one step of all N
 memory    PSS added by N clones (after their first step: the PSS of the warm parent,
@@ -23,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from gym_fork.progress import Task
+
+# The pause before each clone of the ``clone_apart`` series.
+CLONE_GAP_S = 0.03
 
 # What the independent process imports before it evaluates the env expression.
 DEFAULT_IMPORTS = "from gym_fork.bench.heavy import HeavyEnv"
@@ -95,9 +100,10 @@ def measure(
     """Cold, clone, fork and fan-out times (s) of ``make`` and the memory of the largest
     fan-out against as many independent processes built from ``expr``.
 
-    Returns ``name``, ``cold``, ``clone``, ``fork`` (lists of seconds), ``fan_by_size``
-    (copies -> seconds), ``fan`` (those of the largest fan-out), ``clones`` (its size),
-    ``clones_pss_kb`` (median PSS it added) and ``independent_pss_kb``.
+    Returns ``name``, ``cold``, ``clone``, ``clone_apart``, ``fork`` (lists of seconds),
+    ``fan_by_size`` (copies -> seconds), ``fan`` (those of the largest fan-out),
+    ``clones`` (its size), ``clones_pss_kb`` (median PSS it added) and
+    ``independent_pss_kb``.
     """
     from gym_fork import ForkVectorEnv
 
@@ -129,6 +135,13 @@ def measure(
             envs.step(one)
             clone.append(time.perf_counter() - start)
             tick()
+        clone_apart = []
+        for i in range(clone_runs):
+            time.sleep(CLONE_GAP_S)
+            start = time.perf_counter()
+            envs.reset(seed=i)
+            envs.step(one)
+            clone_apart.append(time.perf_counter() - start)
         fork = []
         for i in range(clone_runs):
             start = time.perf_counter()
@@ -162,6 +175,7 @@ def measure(
         "name": name,
         "cold": cold,
         "clone": clone,
+        "clone_apart": clone_apart,
         "fork": fork,
         "fan_by_size": fan_by_size,
         "fan": fan_by_size[largest],
