@@ -86,6 +86,10 @@ class EnvSource:
             return self.prepared_env()
         return self.env_fns[origin]()
 
+    def last_attach_arg(self) -> dict | None:
+        """The attach argument unpickled last (None before any)."""
+        return next(reversed(self._attach_cache.values()), None)
+
     def attach_arg(self, pickled: bytes | None) -> dict | None:
         """The controller's attach argument, spaces unpickled once and then shared."""
         if pickled is None:

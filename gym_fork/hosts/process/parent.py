@@ -36,7 +36,7 @@ from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.idle import IdlePool, await_assignment
 from gym_fork.hosts.process.idle import pool_size as idle_pool_size
-from gym_fork.hosts.process.sandbox import redirect_output, run_as_sandbox, serve
+from gym_fork.hosts.process.sandbox import redirect_output, rehearse, run_as_sandbox, serve
 from gym_fork.system import cgroups, children, confine, linux, vetted_imports
 from gym_fork.system.isolation import (
     Isolation,
@@ -186,14 +186,34 @@ class WarmParent:
             scratch, achieved = enter_sandbox(
                 self.isolation_config, self.tree_isolation, self.pid, None
             )
+            entered = (scratch, achieved.report())
+            self._rehearse(entered)
             assigned, fds = await_assignment(sock, taken)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)
             attach = self.env_source.attach_arg(assigned.attach)
-            entered = (scratch, achieved.report())
             self._serve(assigned.spec, channel_fd, slab_fd, sock_fd, attach, entered)
 
         run_as_sandbox(body)
+
+    def _rehearse(self, entered: tuple[str | None, dict[str, Any]]) -> None:
+        """In an idle sandbox: run a new sandbox's start once, ahead of its assignment
+        (sandbox.py rehearse), where the warm parent hands out its prepared env and knows
+        the controller's attach argument (from its first replacement on)."""
+        source = self.env_source
+        attach = source.last_attach_arg()
+        if attach is None or source.prototype is None:
+            return
+        try:
+            rehearse(
+                source.make_env,
+                attach,
+                warm_parent=self.pid,
+                isolation=(self.isolation_config, self.tree_isolation),
+                entered=entered,
+            )
+        except Exception:  # what fails here only costs the head start: serve() redoes it
+            return
 
     def reap(self) -> None:
         while True:

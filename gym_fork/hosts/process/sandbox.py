@@ -44,7 +44,8 @@ from gym_fork.system.linux import (
     wait_readable,
 )
 from gym_fork.system.scratch import remove_scratch
-from gym_fork.transport.channel import Channel
+from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
+from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P
 from gym_fork.worker.loop import SubEnvSlot, Worker
 
@@ -177,6 +178,55 @@ def serve(
         worker.scratch, worker.isolation = entered
     if worker.hello(attach):
         worker.run()
+
+
+def rehearse(
+    make_env: Callable[[int], gym.Env],
+    attach: dict[str, Any],
+    *,
+    warm_parent: int,
+    isolation: tuple[IsolationConfig, Any],
+    entered: tuple[str | None, dict[str, Any]],
+) -> None:
+    """In an idle sandbox of a warm parent with a prepared env, before its assignment:
+    do what :func:`serve` will do until its HELLO, on a channel and slab of its own, and
+    drop it. The pages of the warm parent's that this writes (the reference counts of
+    every object the code touches, ~300 pages) are copied now, not after the assignment,
+    where they cost ~1.7 ms of a clone's 6.5 (docs/benchmarks.md, "Branching"). Only where
+    ``make_env`` hands out the prepared env as it is: no env code runs here."""
+    owner = Slab(
+        attach["observation_space"],
+        attach["action_space"],
+        1,
+        use_observations=attach["shared_memory"],
+    )
+    ring = Channel.create("rehearsal", DEFAULT_RING_BYTES)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker = None
+    try:
+        worker = ProcessWorker(
+            Channel.attach(os.dup(ring.region.fd), DEFAULT_RING_BYTES, "rehearsal"),
+            [0],
+            [0],
+            make_env,
+            os.dup(owner.region.fd),
+            theirs,
+            warm_parent,
+            isolation,
+        )
+        worker.scratch, worker.isolation = entered
+        worker.hello(attach)
+    finally:
+        if worker is not None:
+            if worker.slab is not None:
+                worker.slab.close()
+            else:
+                os.close(worker.slab_fd)
+            worker.channel.close()
+        ring.close()
+        owner.close()
+        ours.close()
+        theirs.close()
 
 
 # -- forking clones (FORK) -------------------------------------------------------------
