@@ -44,6 +44,15 @@ def wait_readable(fd: int, timeout: float | None) -> bool:
     return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
+def readable(fds: list[int], timeout: float) -> list[int]:
+    """Those of ``fds`` readable (or hung up) within ``timeout`` seconds (poll: any fd
+    number)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return [fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))]
+
+
 # The pid of a watch of a process reaped before we got a pidfd of it: none. Nothing
 # signals by a watch's pid (only by its pidfd), and /proc/-1 never exists.
 NO_PID = -1

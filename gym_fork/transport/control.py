@@ -7,12 +7,15 @@ carry the worker's channel and slab fds with SCM_RIGHTS.
 from __future__ import annotations
 
 import array
+import fcntl
 import os
 import socket
 import struct
+import termios
 from typing import Any
 
 from gym_fork.errors import ControlMessageError
+from gym_fork.system.linux import wait_readable
 from gym_fork.transport import codec
 from gym_fork.transport.codec import DecodeTooBig, pack, unpack
 
@@ -33,6 +36,26 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
     sent = sock.sendmsg([data], ancillary)
     if sent < len(data):
         sock.sendall(data[sent:])
+
+
+def frame_queued(sock: socket.socket) -> bool:
+    """True when receiving a message from ``sock`` will not wait: a whole one (header
+    and payload) is queued, or the peer closed. A peer that trickles a message can then
+    not hold up a receiver that polls (whose timeout is per read, not per message)."""
+    if not wait_readable(sock.fileno(), 0):
+        return False  # (a socket with a timeout would wait for it in recv: no MSG_DONTWAIT)
+    try:
+        head = sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, TimeoutError):
+        return False
+    except OSError:
+        return True  # the receive will say what is wrong
+    if len(head) < _HEADER.size:
+        return not head  # b"": closed; a part of the header: not yet
+    length, _ = _HEADER.unpack(head)
+    queued = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, queued)
+    return queued[0] >= _HEADER.size + length
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

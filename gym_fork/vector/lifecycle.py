@@ -318,7 +318,7 @@ class Sandboxes:
         slabs, attach_arg = self.slabs, self.attach_arg
         if slabs is None or attach_arg is None:
             raise RuntimeError("replace: the workers have not attached their slabs")
-        old_host = None
+        old_host, fresh = None, None
         try:
             old_host = self._ensure_warm_parent()
             if self._replacement_attach is None:
@@ -340,11 +340,13 @@ class Sandboxes:
             # memory, ~2 ms of a core each) no longer compete with the new ones' start
             # for the cores; they are released once seen gone (at the next replace at
             # the latest), not waited for here.
+            # Not replaced (the spawn failed), they stay in the pool, killed, until its
+            # teardown releases them.
             for worker in old:
                 worker.kill()
-            if old_host is None:
+            if fresh is not None and old_host is None:
                 bury(self._live_host(), old, wait=False)
-            else:
+            elif fresh is not None and old_host is not None:
                 for worker in old:
                     worker.watch.wait_dead(1.0)
                     worker.release()

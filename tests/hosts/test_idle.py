@@ -179,3 +179,15 @@ def wait_readable_fd(fd: int, timeout: float = 5.0) -> bool:
     import select
 
     return bool(select.select([fd], [], [], timeout)[0])
+
+
+def test_a_new_idle_sandbox_closes_the_channel_and_the_others_pipes(pool):
+    pool.requests = 2
+    controller = socket.socket(fileno=pool.open_lease_channel())
+    try:
+        pool.fill()
+        internal = set(pool._internal_fds())
+        assert pool.channel is not None and pool.channel.fileno() in internal
+        assert set(pool.leased.values()) <= internal  # what the next one forked closes
+    finally:
+        controller.close()

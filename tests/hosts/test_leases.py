@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import gymnasium as gym
@@ -237,3 +238,94 @@ def test_a_flood_of_leases_is_read_a_bounded_number_at_a_time(channel):
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def nspid(pid: int) -> int:
+    """``pid``'s pid in its innermost pid namespace (what its warm parent calls it)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+
+
+def play_warm_parent(envs: ForkVectorEnv) -> socket.socket:
+    """Replace the host's lease channel by one whose other end the test holds."""
+    held = envs.sandboxes.host._leases
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if held.channel is not None:
+        held.channel.close()
+    ours.settimeout(leases.CHANNEL_TIMEOUT_S)
+    held.channel = ours
+    return theirs
+
+
+def offer(warm_parent: socket.socket, pid: int, local_pid: int) -> None:
+    a, b = socket.socketpair()
+    pidfd = os.pidfd_open(pid)
+    try:
+        M.send(warm_parent, M.Leased(local_pid, [True]), [pidfd, a.fileno()])
+    finally:
+        os.close(pidfd)
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("whom", ["a held worker", "a lease held already", "a stranger"])
+def test_the_host_refuses_a_lease_of_what_is_no_new_sandbox(one_lease, whom):
+    envs, leased = one_lease
+    host = envs.sandboxes.host
+    stranger = sleeper()
+    try:
+        pid = {
+            "a held worker": envs.worker_pids[0],
+            "a lease held already": leased,
+            "a stranger": stranger.pid,
+        }[whom]
+        warm_parent = play_warm_parent(envs)
+        offer(warm_parent, pid, nspid(pid))
+        with host._lock:
+            host._leases._drain(host._new_members)
+        assert host._leases.channel is None, f"{whom} was taken as a lease"
+        assert [lease.watch.pid for lease in host._leases.ready] == [leased]
+        assert stranger.poll() is None
+        _, reward, *_ = envs.step(ONE)  # the worker was not touched
+        assert reward[0] == 1.0
+        warm_parent.close()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_trickled_lease_stalls_no_spawn(one_lease):
+    envs, leased = one_lease
+    host = envs.sandboxes.host
+    warm_parent = play_warm_parent(envs)
+    warm_parent.send(b"\x64\x00\x00\x00\x02\x00\x00\x00" + b"\x80")  # 100 bytes announced
+    started = time.monotonic()
+    with host._lock:
+        lease = host._leases.take(host._new_members)
+    assert time.monotonic() - started < 0.5
+    assert lease is not None and lease.watch.pid == leased  # the one queued before
+    assert host._leases.channel is not None  # not an error (yet): not read either
+    lease.close()
+    warm_parent.close()
+
+
+def test_a_lease_channel_that_is_no_socket_is_refused():
+    held = leases.IdleLeases()
+    r, w = os.pipe()
+    held.open(r)
+    assert held.channel is None
+    with pytest.raises(OSError):
+        os.fstat(r)  # closed
+    os.close(w)
+
+
+def test_a_replacement_of_two_sandboxes_takes_two_leases(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "2")
+    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 2, envs_per_worker=1)) as envs:
+        envs.reset(seed=0)
+        envs.reset(seed=1)
+        assert wait_until(lambda: len(drain(envs)) == 2, 5.0)
+        offered = leased_pids(envs)
+        envs.reset(seed=2)
+        assert set(envs.worker_pids) == offered
+        envs.step(np.zeros(2, dtype=np.int64))

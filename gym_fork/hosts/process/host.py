@@ -239,7 +239,7 @@ class ProcessHost(SharedByBranches):
         new child of the warm parent: never the warm parent itself, a sandbox already
         held, or a process outside the tree, which the controller would otherwise signal
         and measure as its own (env code answers a FORK). Refused: SandboxStartError."""
-        held = {handle.pid for handle in self.tree()} | {self.pid}
+        held = {handle.pid for handle in self.tree()} | {self.pid} | self._leases.pids()
         try:
             for watch in watches:
                 if watch.fd < 0:
@@ -270,14 +270,43 @@ class ProcessHost(SharedByBranches):
         ring_capacity: int,
         attach: bytes | None,
     ) -> list[WorkerHandle]:
-        if len(specs) == 1:  # a reset by clone, a replacement: a leased one if there is
-            with self._lock:
-                lease = self._leases.take(self._new_members)
-                self._note_discarded_idle(self._leases.take_discarded())
-            if lease is not None:
-                made = self._assign_leased(lease, specs[0], slab_fds[0], ring_capacity, attach)
-                if made is not None:
-                    return made
+        """The sandboxes of ``specs``, in order: from leased idle sandboxes while there
+        are (no round trip), from the warm parent for the rest."""
+        made: list[WorkerHandle | None] = [None] * len(specs)
+        try:
+            for k, (spec, slab_fd) in enumerate(zip(specs, slab_fds, strict=True)):
+                while made[k] is None:
+                    with self._lock:
+                        lease = self._leases.take(self._new_members)
+                        self._note_discarded_idle(self._leases.take_discarded())
+                    if lease is None:
+                        break
+                    made[k] = self._assign_leased(lease, spec, slab_fd, ring_capacity, attach)
+                if made[k] is None:
+                    break
+            rest = [k for k, handle in enumerate(made) if handle is None]
+            if rest:
+                asked = self._spawn_requested(
+                    [specs[k] for k in rest], [slab_fds[k] for k in rest], ring_capacity, attach
+                )
+                for k, new in zip(rest, asked, strict=True):
+                    made[k] = new
+        except BaseException:
+            for sandbox in made:
+                if sandbox is not None:
+                    sandbox.kill()
+                    sandbox.release()
+            raise
+        return [sandbox for sandbox in made if sandbox is not None]
+
+    def _spawn_requested(
+        self,
+        specs: list[WorkerSpec],
+        slab_fds: list[int],
+        ring_capacity: int,
+        attach: bytes | None,
+    ) -> list[WorkerHandle]:
+        """The sandboxes of ``specs``, forked (or taken from its pool) by the warm parent."""
         ends = [SandboxEnds(spec, ring_capacity, self._collector()) for spec in specs]
         fds = []
         for end, slab_fd in zip(ends, slab_fds, strict=True):
@@ -376,17 +405,26 @@ class ProcessHost(SharedByBranches):
 
     def _assign_leased(
         self, lease: Lease, spec: WorkerSpec, slab_fd: int, ring_capacity: int, attach: bytes | None
-    ) -> list[WorkerHandle] | None:
+    ) -> WorkerHandle | None:
         """The sandbox of ``spec``, made by sending its assignment to a leased idle
         sandbox; None (the lease discarded) if it cannot take it."""
-        end = SandboxEnds(spec, ring_capacity, self._collector())
+        try:
+            end = SandboxEnds(spec, ring_capacity, self._collector())
+        except BaseException:
+            lease.discard()
+            raise
         sandbox = M.SandboxSpec(spec.name, list(spec.indices), list(spec.origins), ring_capacity)
-        taken = lease.assign(M.Assign(sandbox, attach), [slab_fd, *end.fds()])
+        try:
+            taken = lease.assign(M.Assign(sandbox, attach), [slab_fd, *end.fds()])
+        except TimeoutError:  # someone filled its socket: no more leases from this tree
+            taken = False
+            with self._lock:
+                self._leases.close_channel()
         end.handed_over()
         if not taken:
             end.abort()
             return None
-        return [end.handle(lease.local_pid, lease.watch)]
+        return end.handle(lease.local_pid, lease.watch)
 
     def _note_discarded_idle(self, discarded: list[list[Any]]) -> None:
         """The warm parent found idle sandboxes stopped when it was to hand them a spec:

@@ -35,6 +35,11 @@ from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import child_state, fork, kill_child
 
 DEFAULT_SIZE = 2
+# A lease the controller does not take within this long closes the lease channel.
+LEASE_SEND_TIMEOUT_S = 1.0
+# Leased idle sandboxes that may die unassigned before the warm parent stops leasing
+# (each is replaced: a sibling killing them would otherwise keep it forking).
+MAX_LEASE_DEATHS = 16
 
 
 def pool_size() -> int:
@@ -70,27 +75,42 @@ class IdlePool:
         self.requests = 0
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
         self.channel: socket.socket | None = None  # our end of the lease channel
+        self.leasing = True  # until the channel is given up (then never again)
         self.leased: dict[int, int] = {}  # leased idle sandbox's pid -> its taken pipe
+        self.lease_deaths = 0  # leased idle sandboxes that died unassigned
 
     def open_lease_channel(self) -> int | None:
         """From the second request on (once): the controller's end of a new lease
         channel, for the caller to send and close; None when there is none to open."""
-        if self.channel is not None or self.size == 0 or self.requests < 2:
+        if not self.leasing or self.channel is not None or self.size == 0 or self.requests < 2:
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(LEASE_SEND_TIMEOUT_S)  # a controller that stops reading
         self.channel = ours
         return theirs.detach()
+
+    def stop_leasing(self) -> None:
+        """Close the lease channel for good: new idle sandboxes wait in the pool."""
+        self.leasing = False
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def taken_fds(self) -> list[int]:
         """The taken pipes of the leased idle sandboxes (readable: taken or dead)."""
         return list(self.leased.values())
 
     def taken(self, fd: int) -> None:
-        """The leased idle sandbox of taken pipe ``fd`` was assigned (or died)."""
+        """The leased idle sandbox of taken pipe ``fd`` was assigned (or died: after
+        MAX_LEASE_DEATHS of those, a sibling killing them, no more leases)."""
         for pid, pipe in list(self.leased.items()):
             if pipe == fd:
                 del self.leased[pid]
                 os.close(pipe)
+                if child_state(pid) in ("Z", "X", "x", ""):
+                    self.lease_deaths += 1
+                    if self.lease_deaths >= MAX_LEASE_DEATHS:
+                        self.stop_leasing()
 
     def _internal_fds(self) -> list[int]:
         """What a new idle sandbox must not keep of the warm parent's own."""
@@ -146,11 +166,10 @@ class IdlePool:
                 M.send(channel, M.Leased(pid, [True]), [pidfd, sock.fileno()])
             finally:
                 os.close(pidfd)
-        except OSError:
+        except OSError:  # gone, or not reading (the send timed out): no more leases
             kill_child(pid)
             os.close(taken_r)
-            channel.close()
-            self.channel = None
+            self.stop_leasing()
         else:
             self.leased[pid] = taken_r
         finally:
@@ -193,9 +212,7 @@ class IdlePool:
         for pipe in self.leased.values():
             os.close(pipe)
         self.leased.clear()
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        self.stop_leasing()
 
 
 # States of an idle sandbox that must not be handed a spec: stopped (by a signal, or in

@@ -11,7 +11,9 @@ What comes on the channel is the warm parent's word, and it runs env code: each 
 must carry a pidfd of a live child of the warm parent that the controller does not hold
 yet (``admit``), and a socket; a stopped or dead idle sandbox is killed and skipped (as
 the warm parent itself skips one it would assign). A channel that sends anything else,
-or stalls mid-message, is closed: spawns then ask the warm parent as before.
+is closed (a message is read only once all of it is queued: a trickle stalls nothing),
+and spawns then ask the warm parent as before. Received fds are not inherited across an
+exec (a user's ``os.system`` child must not hold an idle sandbox's socket).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 from gym_fork.errors import ControlMessageError, SandboxStartError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import child_state
-from gym_fork.system.linux import ProcessWatch, wait_readable
+from gym_fork.system.linux import ProcessWatch
+from gym_fork.transport.control import frame_queued
 from gym_fork.transport.typed_messages import adopt_pidfds
 
 # The most leases held at once (the warm parent leases as many as its pool's size).
@@ -55,10 +58,14 @@ class Lease:
 
     def assign(self, assignment: M.Assign, fds: list[int]) -> bool:
         """Send it ``assignment`` and ``fds`` (ours to close); False, and it is discarded,
-        if it cannot take them (dead)."""
+        if it cannot take them (dead). TimeoutError (discarded too) if the send waited:
+        a small message into an empty buffer only waits if someone filled it."""
         try:
-            self.sock.settimeout(2.0)  # a small message into an empty buffer
+            self.sock.settimeout(2.0)
             M.send(self.sock, assignment, fds)
+        except TimeoutError:
+            self.discard()
+            raise
         except OSError:
             self.discard()
             return False
@@ -83,16 +90,31 @@ class IdleLeases:
 
     def __init__(self) -> None:
         self.channel: socket.socket | None = None
+        self.given_up = False  # a channel was closed: none is taken again
         self.ready: list[Lease] = []
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
 
     def open(self, fd: int) -> None:
-        """The warm parent's lease channel arrived (our end, ``fd``)."""
-        if self.channel is not None:
+        """The warm parent's lease channel arrived (our end, ``fd``): kept if it is a
+        stream socket and none is open (a warm parent sends one), closed otherwise."""
+        if self.channel is not None or self.given_up or not _is_socket(fd):
             os.close(fd)
             return
-        self.channel = socket.socket(fileno=fd)
-        self.channel.settimeout(CHANNEL_TIMEOUT_S)
+        try:
+            channel = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            return
+        if channel.type != socket.SOCK_STREAM:
+            channel.close()
+            return
+        os.set_inheritable(fd, False)
+        channel.settimeout(CHANNEL_TIMEOUT_S)
+        self.channel = channel
+
+    def pids(self) -> set[int]:
+        """The pids (ours) of the leases held: no spawn or fork may name them again."""
+        return {lease.watch.pid for lease in self.ready}
 
     def take(self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]]) -> Lease | None:
         """A usable leased idle sandbox, or None. ``admit`` checks that a watch names a
@@ -118,48 +140,53 @@ class IdleLeases:
         most MAX_LEASES per call, however many a warm parent keeps sending)."""
         for _ in range(MAX_LEASES):
             channel = self.channel
-            if channel is None or not wait_readable(channel.fileno(), 0):
+            if channel is None or not frame_queued(channel):
                 return
             try:
                 lease, fds = M.receive(channel, M.Leased)
             except (ControlMessageError, EOFError, OSError):
-                self._close_channel()  # the warm parent went, or sent what it must not
+                self.close_channel()  # the warm parent went, or sent what it must not
                 return
             if lease.pidfds != [True]:  # an idle sandbox comes with a pidfd of it, alive
                 M.close_fds(fds)
-                self._close_channel()
+                self.close_channel()
                 return
             pidfd, sock_fd = fds
             if not _is_socket(sock_fd):
                 M.close_fds(fds)
-                self._close_channel()
+                self.close_channel()
                 return
             try:
                 (watch,) = adopt_pidfds([lease.pid], lease.pidfds, [pidfd])  # or pidfd closed
             except SandboxStartError:
                 os.close(sock_fd)
-                self._close_channel()
+                self.close_channel()
                 return
+            os.set_inheritable(sock_fd, False)
+            if watch.fd >= 0:
+                os.set_inheritable(watch.fd, False)
             sock = socket.socket(fileno=sock_fd)
             try:
                 admit([watch], "a leased idle sandbox")
             except SandboxStartError:
                 sock.close()  # admit() closed the watch
-                self._close_channel()
+                self.close_channel()
                 return
             if len(self.ready) >= MAX_LEASES:
                 Lease(lease.pid, watch, sock).discard()
                 continue
             self.ready.append(Lease(lease.pid, watch, sock))
 
-    def _close_channel(self) -> None:
+    def close_channel(self) -> None:
+        """No more leases from this warm parent (those held stay usable)."""
+        self.given_up = True
         if self.channel is not None:
             self.channel.close()
             self.channel = None
 
     def close(self) -> None:
         """Let go of the channel and every lease (their idle sandboxes exit)."""
-        self._close_channel()
+        self.close_channel()
         for lease in self.ready:
             lease.close()
         self.ready.clear()

@@ -249,7 +249,7 @@ class WarmParent:
 
     def serve(self) -> None:
         """Answer the controller until it says exit, closes the socket or dies."""
-        watched: list[Any] = [self.sock] + ([self.controller] if self.controller >= 0 else [])
+        controller = [self.controller] if self.controller >= 0 else []
         refill_at: float | None = None  # when to refill the idle pool
         while True:
             # The idle pool is refilled after a reply unless the next request is waiting
@@ -259,8 +259,8 @@ class WarmParent:
             # set-up (~4 ms of CPU) would compete with the clone that took it.
             taken = self.idle.taken_fds()
             wait = 0.2 if refill_at is None else max(0.0, refill_at - time.monotonic())
-            readable, _, _ = select.select(watched + taken, [], [], wait)
-            if self.controller in readable:
+            readable = linux.readable([self.sock.fileno(), *controller, *taken], wait)
+            if controller and controller[0] in readable:
                 return  # the controller is dead
             for fd in set(readable) & set(taken):  # a leased idle sandbox was assigned
                 self.idle.taken(fd)
