@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import os
 import select
 import signal
@@ -50,7 +51,7 @@ def readable(fds: list[int], timeout: float) -> list[int]:
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    return [fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))]
+    return [fd for fd, _ in poller.poll(max(0, math.ceil(timeout * 1000)))]
 
 
 # The pid of a watch of a process reaped before we got a pidfd of it: none. Nothing

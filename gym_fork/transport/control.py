@@ -9,13 +9,13 @@ from __future__ import annotations
 import array
 import fcntl
 import os
+import select
 import socket
 import struct
 import termios
 from typing import Any
 
 from gym_fork.errors import ControlMessageError
-from gym_fork.system.linux import wait_readable
 from gym_fork.transport import codec
 from gym_fork.transport.codec import DecodeTooBig, pack, unpack
 
@@ -38,12 +38,18 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
         sock.sendall(data[sent:])
 
 
-def frame_queued(sock: socket.socket) -> bool:
+def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> bool:
     """True when receiving a message from ``sock`` will not wait: a whole one (header
-    and payload) is queued, or the peer closed. A peer that trickles a message can then
-    not hold up a receiver that polls (whose timeout is per read, not per message)."""
-    if not wait_readable(sock.fileno(), 0):
+    and payload) is queued, or it never can be (the peer hung up, or announces more than
+    ``max_bytes``: the receive then says so). A peer that trickles a message can then not
+    hold up a receiver that polls (whose timeout is per read, not per message)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    events = poller.poll(0)
+    if not events:
         return False  # (a socket with a timeout would wait for it in recv: no MSG_DONTWAIT)
+    if events[0][1] & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+        return True
     try:
         head = sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, TimeoutError):
@@ -53,6 +59,8 @@ def frame_queued(sock: socket.socket) -> bool:
     if len(head) < _HEADER.size:
         return not head  # b"": closed; a part of the header: not yet
     length, _ = _HEADER.unpack(head)
+    if length > max_bytes:
+        return True
     queued = array.array("i", [0])
     fcntl.ioctl(sock.fileno(), termios.FIONREAD, queued)
     return queued[0] >= _HEADER.size + length
@@ -77,7 +85,8 @@ def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tup
     :class:`ControlMessageError` (an ``EOFError``) with every received fd closed.
     """
     fd_size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    data, ancdata, flags, _addr = sock.recvmsg(_HEADER.size, fd_size)
+    # CLOEXEC at once: a concurrent fork + exec (a user's os.system) inherits none of them.
+    data, ancdata, flags, _addr = sock.recvmsg(_HEADER.size, fd_size, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

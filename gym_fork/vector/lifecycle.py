@@ -346,10 +346,11 @@ class Sandboxes:
                 worker.kill()
             if fresh is not None and old_host is None:
                 bury(self._live_host(), old, wait=False)
-            elif fresh is not None and old_host is not None:
-                for worker in old:
-                    worker.watch.wait_dead(1.0)
-                    worker.release()
+            elif old_host is not None:  # the dead warm parent's host: released either way
+                if fresh is not None:
+                    for worker in old:
+                        worker.watch.wait_dead(1.0)
+                        worker.release()
                 _let_go(old_host)
         if self.lineage is not None and why != "reset_by_clone":  # resets would flood it
             self.lineage.tree.event(

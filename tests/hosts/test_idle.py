@@ -55,6 +55,15 @@ def pool():
     os.close(REPORT_W)
 
 
+@pytest.fixture
+def leasing(pool):
+    """The pool with a lease channel open, and the controller's end of it."""
+    pool.requests = 2
+    controller = socket.socket(fileno=pool.open_lease_channel())
+    yield pool, controller
+    controller.close()
+
+
 def made_pids(pool: idle.IdlePool) -> set[int]:
     return {i.pid for i in pool.waiting}
 
@@ -135,35 +144,19 @@ def test_the_pool_size_comes_from_the_environment(monkeypatch):
     assert idle.pool_size() == idle.DEFAULT_SIZE
 
 
-def test_with_a_lease_channel_each_new_idle_sandbox_is_leased(pool):
-    pool.requests = 2
-    controller = socket.socket(fileno=pool.open_lease_channel())
-    try:
-        assert pool.open_lease_channel() is None  # once
-        new = pool.fill()
-        assert len(new) == 2 and made_pids(pool) == set() and set(pool.leased) == set(new)
-        offered = {}
-        for _ in new:
-            lease, (pidfd, sock_fd) = M.receive(controller, M.Leased)
-            os.close(pidfd)
-            offered[lease.pid] = socket.socket(fileno=sock_fd)
-        assert set(offered) == set(new)
-        first = new[0]
-        handed = fds()
-        M.send(offered[first], M.Assign(SPEC, None), handed)  # the controller assigns it
-        M.close_fds(handed)
-        taken = pool.leased[first]
-        assert wait_readable_fd(taken), "the assigned sandbox did not say it was taken"
-        pool.taken(taken)
-        assert set(pool.leased) == {new[1]}
-        assert reap(first) == 0
-        assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()
-        refill = pool.fill()  # back to the pool's size, leased too
-        assert len(refill) == 1 and set(pool.leased) == {new[1], *refill}
-        for sock in offered.values():
-            sock.close()
-    finally:
-        controller.close()
+def test_with_a_lease_channel_each_new_idle_sandbox_is_leased(leasing):
+    pool, controller = leasing
+    assert pool.open_lease_channel() is None  # once
+    new = pool.fill()
+    assert len(new) == 2 and made_pids(pool) == set() and set(pool.leased) == set(new)
+    offered = receive_leases(controller, 2)
+    assert set(offered) == set(new)
+    assign_leased(pool, offered, new[0])  # the controller assigns it
+    assert set(pool.leased) == {new[1]}
+    refill = pool.fill()  # back to the pool's size, leased too
+    assert len(refill) == 1 and set(pool.leased) == {new[1], *refill}
+    for sock in offered.values():
+        sock.close()
 
 
 def test_a_closed_lease_channel_kills_the_sandbox_it_could_not_lease(pool):
@@ -181,13 +174,59 @@ def wait_readable_fd(fd: int, timeout: float = 5.0) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 
 
-def test_a_new_idle_sandbox_closes_the_channel_and_the_others_pipes(pool):
-    pool.requests = 2
-    controller = socket.socket(fileno=pool.open_lease_channel())
-    try:
-        pool.fill()
-        internal = set(pool._internal_fds())
-        assert pool.channel is not None and pool.channel.fileno() in internal
-        assert set(pool.leased.values()) <= internal  # what the next one forked closes
-    finally:
-        controller.close()
+def test_a_new_idle_sandbox_closes_the_channel_and_the_others_pipes(leasing):
+    pool, _controller = leasing
+    pool.fill()
+    internal = set(pool._internal_fds())
+    assert pool.channel is not None and pool.channel.fileno() in internal
+    assert set(pool.leased.values()) <= internal  # what the next one forked closes
+
+
+def test_a_leased_sandbox_that_dies_unassigned_counts_and_one_assigned_does_not(leasing):
+    pool, controller = leasing
+    first, second = pool.fill()
+    offered = receive_leases(controller, 2)
+    kill_child(first)
+    reap(first)
+    pool.forget(first)  # reaped before its taken pipe was seen: still a death
+    assert pool.lease_deaths == 1
+    assign_leased(pool, offered, second)
+    assert pool.lease_deaths == 0  # a sandbox assigned: the count starts again
+    for sock in offered.values():
+        sock.close()
+
+
+def test_after_max_lease_deaths_the_warm_parent_stops_leasing(leasing):
+    pool, controller = leasing
+    pool.lease_deaths = idle.MAX_LEASE_DEATHS - 1
+    (first, *_) = pool.fill()
+    M.close_fds(M.receive(controller, M.Leased)[1])
+    kill_child(first)
+    reap(first)
+    pool.forget(first)
+    assert pool.channel is None and not pool.leasing
+    assert pool.open_lease_channel() is None  # for good
+    new = pool.fill()
+    assert new and made_pids(pool) >= set(new)  # new idle sandboxes wait in the pool
+
+
+def receive_leases(controller: socket.socket, n: int) -> dict[int, socket.socket]:
+    """Read ``n`` leases as the controller would: pid -> the sandbox's socket."""
+    offered = {}
+    for _ in range(n):
+        lease, (pidfd, sock_fd) = M.receive(controller, M.Leased)
+        os.close(pidfd)
+        offered[lease.pid] = socket.socket(fileno=sock_fd)
+    return offered
+
+
+def assign_leased(pool: idle.IdlePool, offered: dict[int, socket.socket], pid: int) -> None:
+    """Assign leased sandbox ``pid`` as the controller would; it reports and exits."""
+    handed = fds()
+    M.send(offered[pid], M.Assign(SPEC, None), handed)
+    M.close_fds(handed)
+    taken = pool.leased[pid]
+    assert wait_readable_fd(taken), "the assigned sandbox did not say it was taken"
+    pool.taken(taken)
+    assert reap(pid) == 0
+    assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()

@@ -21,6 +21,8 @@ from gym_fork import ForkVectorEnv
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.process import leases
 from gym_fork.hosts.process import messages as M
+from gym_fork.transport import control
+from gym_fork.transport.typed_messages import adopt_pidfds
 from tests.helpers import alive, wait_until
 
 pytestmark = pytest.mark.process_only
@@ -329,3 +331,33 @@ def test_a_replacement_of_two_sandboxes_takes_two_leases(monkeypatch):
         envs.reset(seed=2)
         assert set(envs.worker_pids) == offered
         envs.step(np.zeros(2, dtype=np.int64))
+
+
+def test_a_lease_being_assigned_is_held(one_lease):
+    envs, leased = one_lease
+    host = envs.sandboxes.host
+    with host._lock:
+        lease = host._leases.take(host._new_members)
+    assert lease is not None and lease.watch.pid == leased
+    try:
+        again = adopt_pidfds([nspid(leased)], [True], [os.pidfd_open(leased)])
+        with pytest.raises(SandboxStartError):
+            host._new_members(again, "a spawn naming a lease in flight")
+    finally:
+        host._leases.settle(lease)
+        lease.close()
+
+
+def test_a_frame_that_can_never_complete_is_read_and_refused():
+    a, b = socket.socketpair()
+    a.send(b"\x64\x00\x00\x00\x00\x00\x00\x00" + b"\x80")  # 100 bytes announced, 1 sent
+    assert not control.frame_queued(b)
+    a.close()  # ... and then the peer hung up: the receive says so, it waits for nothing
+    assert control.frame_queued(b)
+    with pytest.raises(EOFError):
+        control.recv_message(b)
+    c, d = socket.socketpair()
+    c.send(b"\x00\x00\x10\x00\x00\x00\x00\x00")  # 1 MiB announced to a 4 KiB reader
+    assert control.frame_queued(d, 4096)
+    for s in (b, c, d):
+        s.close()

@@ -33,7 +33,7 @@ from gym_fork.hosts.base import (
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
-from gym_fork.hosts.process.leases import IdleLeases, Lease
+from gym_fork.hosts.process.leases import MAX_LEASES, IdleLeases, Lease
 from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
@@ -208,13 +208,13 @@ class ProcessHost(SharedByBranches):
         ``attach`` (the pickled attach argument) makes the workers attach to the slab
         at once, for replacements whose spaces the controller already knows.
         """
-        return self._register(
-            spawn_in_batches(
-                specs,
-                slab_fds,
-                SPAWN_BATCH,
-                lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach),
-            )
+        # Each batch's handles are registered as they are made: the next batch's check
+        # (and a lease's) must see them held.
+        return spawn_in_batches(
+            specs,
+            slab_fds,
+            SPAWN_BATCH,
+            lambda batch, fds: self._spawn_batch(batch, fds, ring_capacity, attach),
         )
 
     def _collector(self) -> OutputCollector:
@@ -273,15 +273,25 @@ class ProcessHost(SharedByBranches):
         """The sandboxes of ``specs``, in order: from leased idle sandboxes while there
         are (no round trip), from the warm parent for the rest."""
         made: list[WorkerHandle | None] = [None] * len(specs)
+        refused = 0  # leases that could not take an assignment (dead)
         try:
             for k, (spec, slab_fd) in enumerate(zip(specs, slab_fds, strict=True)):
-                while made[k] is None:
+                while made[k] is None and refused < MAX_LEASES:
                     with self._lock:
                         lease = self._leases.take(self._new_members)
                         self._note_discarded_idle(self._leases.take_discarded())
                     if lease is None:
                         break
-                    made[k] = self._assign_leased(lease, spec, slab_fd, ring_capacity, attach)
+                    try:
+                        handle = self._assign_leased(lease, spec, slab_fd, ring_capacity, attach)
+                        if handle is not None:
+                            made[k] = self._register([handle])[0]
+                    finally:
+                        self._leases.settle(lease)
+                    refused += made[k] is None
+                if refused >= MAX_LEASES:  # a warm parent leasing what cannot be assigned
+                    with self._lock:
+                        self._leases.close_channel()
                 if made[k] is None:
                     break
             rest = [k for k, handle in enumerate(made) if handle is None]
@@ -291,6 +301,7 @@ class ProcessHost(SharedByBranches):
                 )
                 for k, new in zip(rest, asked, strict=True):
                     made[k] = new
+                self._register(asked)
         except BaseException:
             for sandbox in made:
                 if sandbox is not None:
@@ -414,17 +425,17 @@ class ProcessHost(SharedByBranches):
             lease.discard()
             raise
         sandbox = M.SandboxSpec(spec.name, list(spec.indices), list(spec.origins), ring_capacity)
+        taken = False
         try:
             taken = lease.assign(M.Assign(sandbox, attach), [slab_fd, *end.fds()])
         except TimeoutError:  # someone filled its socket: no more leases from this tree
-            taken = False
             with self._lock:
                 self._leases.close_channel()
-        end.handed_over()
-        if not taken:
-            end.abort()
-            return None
-        return end.handle(lease.local_pid, lease.watch)
+        finally:
+            end.handed_over()
+            if not taken:
+                end.abort()
+        return end.handle(lease.local_pid, lease.watch) if taken else None
 
     def _note_discarded_idle(self, discarded: list[list[Any]]) -> None:
         """The warm parent found idle sandboxes stopped when it was to hand them a spec:

@@ -40,6 +40,8 @@ LEASE_SEND_TIMEOUT_S = 1.0
 # Leased idle sandboxes that may die unassigned before the warm parent stops leasing
 # (each is replaced: a sibling killing them would otherwise keep it forking).
 MAX_LEASE_DEATHS = 16
+# What an assigned leased idle sandbox writes on its taken pipe before closing it.
+TAKEN = b"T"
 
 
 def pool_size() -> int:
@@ -101,16 +103,23 @@ class IdlePool:
         return list(self.leased.values())
 
     def taken(self, fd: int) -> None:
-        """The leased idle sandbox of taken pipe ``fd`` was assigned (or died: after
-        MAX_LEASE_DEATHS of those, a sibling killing them, no more leases)."""
+        """The leased idle sandbox of taken pipe ``fd`` was assigned, or died unassigned:
+        after MAX_LEASE_DEATHS of those in a row (a sibling killing them), no more leases."""
         for pid, pipe in list(self.leased.items()):
             if pipe == fd:
                 del self.leased[pid]
-                os.close(pipe)
-                if child_state(pid) in ("Z", "X", "x", ""):
-                    self.lease_deaths += 1
-                    if self.lease_deaths >= MAX_LEASE_DEATHS:
-                        self.stop_leasing()
+                self._let_go_of(pipe)
+
+    def _let_go_of(self, pipe: int) -> None:
+        """Close a leased sandbox's taken pipe, counting it dead unless it said TAKEN."""
+        try:
+            assigned = os.read(pipe, 1) == TAKEN
+        except OSError:  # nothing written yet (non-blocking): it died unassigned
+            assigned = False
+        os.close(pipe)
+        self.lease_deaths = 0 if assigned else self.lease_deaths + 1
+        if self.lease_deaths >= MAX_LEASE_DEATHS:
+            self.stop_leasing()
 
     def _internal_fds(self) -> list[int]:
         """What a new idle sandbox must not keep of the warm parent's own."""
@@ -125,7 +134,7 @@ class IdlePool:
         """``pid`` was reaped: if it was idle, it is out of the pool."""
         pipe = self.leased.pop(pid, None)
         if pipe is not None:
-            os.close(pipe)
+            self._let_go_of(pipe)
         for idle in self.waiting:
             if idle.pid == pid:
                 idle.sock.close()
@@ -152,6 +161,7 @@ class IdlePool:
                 self.waiting.append(Idle(pid, ours))
                 continue
             os.close(taken_w)
+            os.set_blocking(taken_r, False)
             self._lease(pid, ours, taken_r)
         return new
 
@@ -234,5 +244,6 @@ def await_assignment(sock: socket.socket, taken: int = -1) -> tuple[M.Assign, li
         os._exit(0)
     sock.close()
     if taken >= 0:
+        os.write(taken, TAKEN)  # EOF alone would also mean it died
         os.close(taken)
     return message, fds

@@ -12,8 +12,9 @@ must carry a pidfd of a live child of the warm parent that the controller does n
 yet (``admit``), and a socket; a stopped or dead idle sandbox is killed and skipped (as
 the warm parent itself skips one it would assign). A channel that sends anything else,
 is closed (a message is read only once all of it is queued: a trickle stalls nothing),
-and spawns then ask the warm parent as before. Received fds are not inherited across an
-exec (a user's ``os.system`` child must not hold an idle sandbox's socket).
+and spawns then ask the warm parent as before. Received fds are close-on-exec from the
+moment they arrive (control.py: a user's ``os.system`` child must not hold an idle
+sandbox's socket).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class IdleLeases:
         self.channel: socket.socket | None = None
         self.given_up = False  # a channel was closed: none is taken again
         self.ready: list[Lease] = []
+        self.taking: set[int] = set()  # pids of leases taken, not yet settled
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
 
     def open(self, fd: int) -> None:
@@ -108,13 +110,17 @@ class IdleLeases:
         if channel.type != socket.SOCK_STREAM:
             channel.close()
             return
-        os.set_inheritable(fd, False)
         channel.settimeout(CHANNEL_TIMEOUT_S)
         self.channel = channel
 
     def pids(self) -> set[int]:
-        """The pids (ours) of the leases held: no spawn or fork may name them again."""
-        return {lease.watch.pid for lease in self.ready}
+        """The pids (ours) of the leases held or being assigned: no spawn, fork or lease
+        may name them again."""
+        return {lease.watch.pid for lease in self.ready} | self.taking
+
+    def settle(self, lease: Lease) -> None:
+        """``lease`` (taken) became a registered sandbox, or was discarded."""
+        self.taking.discard(lease.watch.pid)
 
     def take(self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]]) -> Lease | None:
         """A usable leased idle sandbox, or None. ``admit`` checks that a watch names a
@@ -124,6 +130,7 @@ class IdleLeases:
             lease = self.ready.pop(0)
             state = child_state(lease.watch.pid) if lease.watch.alive() else "X"
             if state not in _UNUSABLE:
+                self.taking.add(lease.watch.pid)
                 return lease
             if state in ("T", "t"):
                 self.discarded.append([lease.watch.pid, state])
@@ -140,7 +147,7 @@ class IdleLeases:
         most MAX_LEASES per call, however many a warm parent keeps sending)."""
         for _ in range(MAX_LEASES):
             channel = self.channel
-            if channel is None or not frame_queued(channel):
+            if channel is None or not frame_queued(channel, M.Leased.MAX_BYTES):
                 return
             try:
                 lease, fds = M.receive(channel, M.Leased)
@@ -162,9 +169,6 @@ class IdleLeases:
                 os.close(sock_fd)
                 self.close_channel()
                 return
-            os.set_inheritable(sock_fd, False)
-            if watch.fd >= 0:
-                os.set_inheritable(watch.fd, False)
             sock = socket.socket(fileno=sock_fd)
             try:
                 admit([watch], "a leased idle sandbox")

@@ -187,7 +187,8 @@ class WarmParent:
                 self.isolation_config, self.tree_isolation, self.pid, None
             )
             entered = (scratch, achieved.report())
-            self._rehearse(entered)
+            if not linux.wait_readable(sock.fileno(), 0):  # no assignment waiting yet
+                self._rehearse(entered)
             assigned, fds = await_assignment(sock, taken)
             slab_fd, channel_fd, sock_fd, out_fd, err_fd = fds
             redirect_output(out_fd, err_fd)

@@ -16,6 +16,7 @@ pidfds of those of a FORK that succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -193,40 +194,36 @@ def rehearse(
     drop it. The pages of the warm parent's that this writes (the reference counts of
     every object the code touches, ~300 pages) are copied now, not after the assignment,
     where they cost ~1.7 ms of a clone's 6.5 (docs/benchmarks.md, "Branching"). Only where
-    ``make_env`` hands out the prepared env as it is: no env code runs here."""
-    owner = Slab(
-        attach["observation_space"],
-        attach["action_space"],
-        1,
-        use_observations=attach["shared_memory"],
-    )
-    ring = Channel.create("rehearsal", DEFAULT_RING_BYTES)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    worker = None
-    try:
-        worker = ProcessWorker(
-            Channel.attach(os.dup(ring.region.fd), DEFAULT_RING_BYTES, "rehearsal"),
-            [0],
-            [0],
-            make_env,
-            os.dup(owner.region.fd),
-            theirs,
-            warm_parent,
-            isolation,
+    ``make_env`` hands out the prepared env as it is: nothing is built, and the env code
+    that runs (its spaces' comparisons in the attach) is what :func:`serve` runs too."""
+    with contextlib.ExitStack() as opened:
+        owner = Slab(
+            attach["observation_space"],
+            attach["action_space"],
+            1,
+            use_observations=attach["shared_memory"],
         )
-        worker.scratch, worker.isolation = entered
-        worker.hello(attach)
-    finally:
-        if worker is not None:
-            if worker.slab is not None:
+        opened.callback(owner.close)
+        ring = Channel.create("rehearsal", DEFAULT_RING_BYTES)
+        opened.callback(ring.close)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        opened.callback(ours.close)
+        opened.callback(theirs.close)
+        channel = Channel.attach(os.dup(ring.region.fd), DEFAULT_RING_BYTES, "rehearsal")
+        opened.callback(channel.close)
+        slab_fd = os.dup(owner.region.fd)  # the worker's own, closed with its slab
+        worker: ProcessWorker | None = None
+
+        def close_slab() -> None:
+            if worker is not None and worker.slab is not None:
                 worker.slab.close()
             else:
-                os.close(worker.slab_fd)
-            worker.channel.close()
-        ring.close()
-        owner.close()
-        ours.close()
-        theirs.close()
+                os.close(slab_fd)
+
+        opened.callback(close_slab)
+        worker = ProcessWorker(channel, [0], [0], make_env, slab_fd, theirs, warm_parent, isolation)
+        worker.scratch, worker.isolation = entered
+        worker.hello(attach)
 
 
 # -- forking clones (FORK) -------------------------------------------------------------
