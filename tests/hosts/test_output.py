@@ -81,7 +81,7 @@ def test_sandboxes_dead_before_adoption_keep_their_output_apart():
     sandbox, so tails never mix and each release closes its own pipes."""
     from gym_fork.hosts.base import WorkerSpec
     from gym_fork.hosts.output import OutputCollector
-    from gym_fork.hosts.process.host import SandboxEnds
+    from gym_fork.hosts.process.ends import SandboxEnds
     from gym_fork.system.linux import NO_PID, ProcessWatch
 
     output = OutputCollector(echo=False)
