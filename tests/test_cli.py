@@ -60,6 +60,7 @@ def test_bench_tiny_writes_every_figure(tmp_path):
             assert row[key] > 0, (row["name"], key)
         for key in ("clone_ms", "fork_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p99"], (row["name"], key)
+        assert row["clone_apart_ms"]["p50"] > 0, row["name"]
         assert [int(n) for n in row["fan_out_ms"]] == sizes
         assert all(v > 0 for v in row["fan_out_ms"].values())
         assert row["clones"] == max(sizes)

@@ -181,6 +181,7 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
         "name": row["name"],
         "cold_ms": cold * ms,
         "clone_ms": {"p50": clone50 * ms, "p99": clones.pct(row["clone"], 0.99) * ms},
+        "clone_apart_ms": {"p50": clones.pct(row["clone_apart"], 0.5) * ms},
         "fork_ms": {
             "p50": clones.pct(row["fork"], 0.5) * ms,
             "p99": clones.pct(row["fork"], 0.99) * ms,
@@ -220,13 +221,15 @@ def format_table(result: dict[str, Any]) -> str:
         f"({rt['pipe_vs_ring']:.1f}x)",
         "",
         "Clones (cold: env_fn()+reset+step; clone: reset by a fresh clone of the warm parent "
-        "+ step; fork: fork() + step)",
+        "+ step, back to back; apart: the same 30 ms apart, as at episodes' ends; "
+        "fork: fork() + step)",
     ]
     rows = result["clones"]
     sizes = list(rows[0]["fan_out_ms"]) if rows else []
     fan_head = "fan-out " + "/".join(sizes) + " ms"
     lines.append(
-        f"{'env':<30}{'cold':>9}{'clone p50/p99':>16}{'cold/clone':>11}{'fork p50/p99':>15}"
+        f"{'env':<30}{'cold':>9}{'clone p50/p99':>16}{'apart':>8}{'cold/clone':>11}"
+        f"{'fork p50/p99':>15}"
         f"  {fan_head:<24}{'PSS clones':>11}{'indep.':>10}{'ratio':>7}"
     )
     for r in rows:
@@ -234,6 +237,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['name']:<30}{r['cold_ms']:>7.1f}ms"
             f"{r['clone_ms']['p50']:>9.2f}/{r['clone_ms']['p99']:<6.2f}"
+            f"{r['clone_apart_ms']['p50']:>8.2f}"
             f"{r['cold_vs_clone']:>10.{2 if r['cold_vs_clone'] < 10 else 0}f}x"
             f"{r['fork_ms']['p50']:>8.2f}/{r['fork_ms']['p99']:<6.2f}"
             f"  {fans:<24}"
