@@ -119,6 +119,23 @@ def admit_all(watches, what):
     return watches
 
 
+def offer(warm_parent: socket.socket, pid: int, local_pid: int, sock_fd: int | None = None) -> None:
+    """Send a lease of ``pid`` (called ``local_pid``) with ``sock_fd`` as its socket (a
+    new socket when None), as a warm parent would."""
+    a, b = socket.socketpair()
+    pidfd = os.pidfd_open(pid)
+    try:
+        M.send(
+            warm_parent,
+            M.Leased(local_pid, [True]),
+            [pidfd, a.fileno() if sock_fd is None else sock_fd],
+        )
+    finally:
+        os.close(pidfd)
+        a.close()
+        b.close()
+
+
 def refuse(watches, what):
     for watch in watches:
         watch.close()
@@ -128,19 +145,14 @@ def refuse(watches, what):
 def test_a_lease_of_a_process_outside_the_tree_closes_the_channel(channel):
     held, warm_parent = channel
     victim = sleeper()
-    a, b = socket.socketpair()
     try:
-        pidfd = os.pidfd_open(victim.pid)
-        M.send(warm_parent, M.Leased(victim.pid, [True]), [pidfd, a.fileno()])
-        os.close(pidfd)
+        offer(warm_parent, victim.pid, victim.pid)
         assert held.take(refuse) is None
         assert held.channel is None  # the warm parent said what it must not: no more leases
         assert victim.poll() is None, "a process the controller was merely told of was signalled"
     finally:
         victim.kill()
         victim.wait()
-        a.close()
-        b.close()
 
 
 def test_a_lease_whose_socket_is_no_socket_closes_the_channel(channel):
@@ -148,9 +160,7 @@ def test_a_lease_whose_socket_is_no_socket_closes_the_channel(channel):
     victim = sleeper()
     r, w = os.pipe()
     try:
-        pidfd = os.pidfd_open(victim.pid)
-        M.send(warm_parent, M.Leased(victim.pid, [True]), [pidfd, r])
-        os.close(pidfd)
+        offer(warm_parent, victim.pid, victim.pid, sock_fd=r)
         assert held.take(admit_all) is None
         assert held.channel is None
         assert victim.poll() is None
@@ -164,18 +174,13 @@ def test_a_lease_whose_socket_is_no_socket_closes_the_channel(channel):
 def test_a_lease_with_a_pid_that_is_not_its_pidfds_closes_the_channel(channel):
     held, warm_parent = channel
     victim = sleeper()
-    a, b = socket.socketpair()
     try:
-        pidfd = os.pidfd_open(victim.pid)
-        M.send(warm_parent, M.Leased(os.getpid(), [True]), [pidfd, a.fileno()])
-        os.close(pidfd)
+        offer(warm_parent, victim.pid, os.getpid())
         assert held.take(admit_all) is None
         assert held.channel is None
     finally:
         victim.kill()
         victim.wait()
-        a.close()
-        b.close()
 
 
 def test_a_good_lease_is_taken_and_a_dead_one_discarded(channel):
@@ -257,17 +262,6 @@ def play_warm_parent(envs: ForkVectorEnv) -> socket.socket:
     ours.settimeout(leases.CHANNEL_TIMEOUT_S)
     held.channel = ours
     return theirs
-
-
-def offer(warm_parent: socket.socket, pid: int, local_pid: int) -> None:
-    a, b = socket.socketpair()
-    pidfd = os.pidfd_open(pid)
-    try:
-        M.send(warm_parent, M.Leased(local_pid, [True]), [pidfd, a.fileno()])
-    finally:
-        os.close(pidfd)
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("whom", ["a held worker", "a lease held already", "a stranger"])
