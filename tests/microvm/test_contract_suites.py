@@ -19,11 +19,30 @@ ALLOWED_SKIPS = ("host='microvm': ", "GYMNASIUM_GIT_DIR")
 # The branching suite on VMs takes ~4 min here (every fork copies a VM's RAM under TCG);
 # tests/microvm/test_microvm.py covers live-fork replay and reseeding in the default run.
 FULL = os.environ.get("GYM_FORK_VM_FULL") == "1"
+# By default the conformance suite's 28 observation-space cases (~1.7 s each on VMs
+# under TCG) run on VMs for a sample of space kinds, each in its transport's mode:
+# fixed-size in shared memory (an image, a half-float box, a dict, a tuple) and
+# variable-size through the pickled path (text, a sequence, a graph). Every other case
+# runs in full; GYM_FORK_VM_FULL=1 runs all of them.
+OBSERVATION_SAMPLE = (
+    "True-box-u8-image",
+    "True-box-f16",
+    "True-dict",
+    "False-tuple",
+    "False-text",
+    "False-sequence",
+    "False-graph",
+)
 
 
 @pytest.mark.timeout(1500)
 def test_the_conformance_suite_passes_on_the_microvm_host():
-    run_on_microvms("tests/vector/test_conformance.py", at_least=30)
+    if FULL:
+        run_on_microvms("tests/vector/test_conformance.py", at_least=40)
+        return
+    sample = " or ".join(OBSERVATION_SAMPLE)
+    select = f"not test_every_observation_space or {sample}"
+    run_on_microvms("tests/vector/test_conformance.py", at_least=22, select=select)
 
 
 @pytest.mark.slow
@@ -35,10 +54,11 @@ def test_the_branching_suite_passes_on_the_microvm_host():
     run_on_microvms("tests/vector/test_branching.py", at_least=10)
 
 
-def run_on_microvms(suite: str, at_least: int) -> None:
+def run_on_microvms(suite: str, at_least: int, select: str | None = None) -> None:
     env = dict(os.environ, GYM_FORK_HOST="microvm")
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", suite]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", suite],
+        command + (["-k", select] if select else []),
         cwd=ROOT,
         env=env,
         capture_output=True,
