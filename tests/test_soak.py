@@ -1,6 +1,6 @@
 """Soak: many create/fork/step/close cycles leave nothing behind (docs/reliability.md).
 
-By default the loop runs for a time budget (GYM_FORK_SOAK_SECONDS, 30 s) with at least
+By default the loop runs for a time budget (GYM_FORK_SOAK_SECONDS, 15 s) with at least
 MIN_CYCLES cycles, so a machine three times slower still finishes well inside pytest's
 timeout; GYM_FORK_SOAK_CYCLES=1000 runs an exact count instead (the figure in
 docs/reliability.md).
@@ -21,7 +21,7 @@ from gym_fork import ForkVectorEnv
 from tests.helpers import descendants, gym_fork_scratch_dirs, gym_fork_shm_files, open_fds
 
 CYCLES = int(os.environ["GYM_FORK_SOAK_CYCLES"]) if "GYM_FORK_SOAK_CYCLES" in os.environ else None
-SECONDS = float(os.environ.get("GYM_FORK_SOAK_SECONDS", "30"))
+SECONDS = float(os.environ.get("GYM_FORK_SOAK_SECONDS", "15"))
 MIN_CYCLES = 20
 
 
