@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import signal
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -258,6 +261,64 @@ def wait_until(predicate, timeout: float = 3.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def reap_child(pid: int, timeout: float = 10.0) -> int:
+    """Our child ``pid``'s exit code, once it exited (within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.005)
+    raise AssertionError(f"child {pid} did not exit within {timeout} s")
+
+
+class Hung(Exception):
+    """The watchdog fired: the code under test did not return in time."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Raise Hung in the main thread if the block runs past ``seconds`` (SIGALRM): what
+    it calls must never block for good (Hung is no OSError, which code under test may
+    catch)."""
+
+    def fire(_signum, _frame):
+        raise Hung(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def tracked_idle_pool(size: int, become: Callable) -> Iterator[Any]:
+    """An IdlePool (gym_fork/hosts/process/idle.py) whose children are noted; a fixture
+    body: after the test, the pool is closed and every child it forked killed and
+    reaped."""
+    from gym_fork.hosts.process import idle
+    from gym_fork.system.children import kill_child
+
+    made = idle.IdlePool(size, become)
+    forked: list[int] = []
+    fill = made.fill
+
+    def fill_and_note() -> list[int]:
+        new = fill()
+        forked.extend(new)
+        return new
+
+    made.fill = fill_and_note  # type: ignore[method-assign]
+    yield made
+    made.close()
+    for pid in forked:
+        kill_child(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def make_space_env(observation_space, action_space=None, **kwargs) -> Any:

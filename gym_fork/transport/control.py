@@ -38,6 +38,15 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
         sock.sendall(data[sent:])
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the other end of ``sock`` has closed it (or it failed): nothing more
+    will come from it, whatever is still queued. Does not wait."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    closed = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+    return any(mask & closed for _, mask in poller.poll(0))
+
+
 def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> bool:
     """True when receiving a message from ``sock`` will not wait: a whole one (header
     and payload) is queued, or it never can be (the peer hung up, or announces more than

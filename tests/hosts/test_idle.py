@@ -3,17 +3,16 @@ over, and which idle sandboxes it refuses to use (children that only wait)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
-import time
 
 import pytest
 
 from gym_fork.hosts.process import idle
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import kill_child
+from tests.helpers import reap_child, tracked_idle_pool
 
 pytestmark = pytest.mark.process_only
 SPEC = M.SandboxSpec("w0", [0], [0], 4096)
@@ -35,22 +34,7 @@ REPORT_R, REPORT_W = -1, -1
 def pool():
     global REPORT_R, REPORT_W
     REPORT_R, REPORT_W = os.pipe()
-    made = idle.IdlePool(2, wait_for_assignment)
-    forked: list[int] = []
-    fill = made.fill
-
-    def fill_and_note() -> list[int]:
-        new = fill()
-        forked.extend(new)
-        return new
-
-    made.fill = fill_and_note
-    yield made
-    made.close()
-    for pid in forked:  # only the children this test made
-        kill_child(pid)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    yield from tracked_idle_pool(2, wait_for_assignment)
     os.close(REPORT_R)
     os.close(REPORT_W)
 
@@ -72,16 +56,6 @@ def fds() -> list[int]:
     return [os.open(os.devnull, os.O_RDONLY) for _ in range(M.FDS_PER_SANDBOX)]
 
 
-def reap(pid: int, timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    raise AssertionError(f"child {pid} did not exit within {timeout} s")
-
-
 def test_the_pool_fills_only_from_the_second_request(pool):
     assert pool.fill() == []
     pool.note_request()
@@ -98,7 +72,7 @@ def test_an_idle_sandbox_gets_its_spec_and_fds(pool):
     handed = fds()
     assert pool.assign(M.Assign(SPEC, None), handed) == first
     M.close_fds(handed)
-    assert reap(first) == 0
+    assert reap_child(first) == 0
     assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()
     assert first not in made_pids(pool)
 
@@ -112,10 +86,10 @@ def test_a_stopped_idle_sandbox_is_killed_listed_and_skipped(pool):
         assert pool.assign(M.Assign(SPEC, None), handed) == other
     finally:
         M.close_fds(handed)
-    assert reap(stopped) == -signal.SIGKILL
+    assert reap_child(stopped) == -signal.SIGKILL
     assert [pid for pid, _ in pool.take_discarded()] == [stopped]
     assert pool.take_discarded() == []
-    assert reap(other) == 0
+    assert reap_child(other) == 0
 
 
 def test_no_usable_idle_sandbox_means_a_fresh_fork(pool):
@@ -130,7 +104,7 @@ def test_a_reaped_idle_sandbox_leaves_the_pool(pool):
     pool.requests = 2
     gone, kept = pool.fill()
     kill_child(gone)
-    reap(gone)
+    reap_child(gone)
     pool.forget(gone)
     assert made_pids(pool) == {kept}
 
@@ -164,7 +138,7 @@ def test_a_closed_lease_channel_kills_the_sandbox_it_could_not_lease(pool):
     controller = socket.socket(fileno=pool.open_lease_channel())
     controller.close()
     (first, *_) = pool.fill()
-    assert reap(first) == -signal.SIGKILL
+    assert reap_child(first) == -signal.SIGKILL
     assert pool.channel is None and first not in pool.leased
 
 
@@ -187,7 +161,7 @@ def test_a_leased_sandbox_that_dies_unassigned_counts_and_one_assigned_does_not(
     first, second = pool.fill()
     offered = receive_leases(controller, 2)
     kill_child(first)
-    reap(first)
+    reap_child(first)
     pool.forget(first)  # reaped before its taken pipe was seen: still a death
     assert pool.lease_deaths == 1
     assign_leased(pool, offered, second)
@@ -202,7 +176,7 @@ def test_after_max_lease_deaths_the_warm_parent_stops_leasing(leasing):
     (first, *_) = pool.fill()
     M.close_fds(M.receive(controller, M.Leased)[1])
     kill_child(first)
-    reap(first)
+    reap_child(first)
     pool.forget(first)
     assert pool.channel is None and not pool.leasing
     assert pool.open_lease_channel() is None  # for good
@@ -228,5 +202,5 @@ def assign_leased(pool: idle.IdlePool, offered: dict[int, socket.socket], pid: i
     taken = pool.leased[pid]
     assert wait_readable_fd(taken), "the assigned sandbox did not say it was taken"
     pool.taken(taken)
-    assert reap(pid) == 0
+    assert reap_child(pid) == 0
     assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()

@@ -27,30 +27,9 @@ import pytest
 from gymnasium import spaces
 
 from gym_fork import ForkVectorEnv, SubEnvCrashed
-from tests.helpers import _descendants, alive, children_by_parent, wait_until
+from tests.helpers import _descendants, alive, children_by_parent, wait_until, watchdog
 
 pytestmark = pytest.mark.process_only
-
-
-class Hung(Exception):
-    """The watchdog fired: the code under test did not return in time."""
-
-
-@contextlib.contextmanager
-def watchdog(seconds: float):
-    """Raise Hung in the main thread after ``seconds`` (the ring waits are sliced, so
-    the handler runs within 0.1 s)."""
-
-    def fire(_signum, _frame):
-        raise Hung(f"no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _state(pid: int) -> str:

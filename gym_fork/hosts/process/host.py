@@ -38,7 +38,7 @@ from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
 from gym_fork.system.scratch import sweep
-from gym_fork.transport.control import MAX_FDS
+from gym_fork.transport.control import MAX_FDS, peer_closed
 from gym_fork.transport.typed_messages import adopt_pidfds
 from gym_fork.worker import protocol as P
 
@@ -253,7 +253,12 @@ class ProcessHost(SharedByBranches):
             what = f"spawn {specs[0].name}"
             sock = self._socket()
             with self._lock:
-                M.send(sock, request, fds)
+                try:
+                    M.send(sock, request, fds)
+                except OSError as exc:  # EPIPE: it closed its end (it is dying)
+                    raise SandboxStartError(
+                        f"{what}: the warm parent (pid {self.pid}) is gone ({exc})"
+                    ) from exc
                 reply, pidfds = M.receive_reply(sock, 60.0, what, M.Spawned, M.Refused)
                 if isinstance(reply, M.Spawned) and reply.lease_channel:
                     self._leases.open(pidfds.pop())
@@ -376,8 +381,13 @@ class ProcessHost(SharedByBranches):
         )
 
     def alive(self) -> bool:
-        """Health check of the warm parent (its sandboxes die with it)."""
-        return self.sock is not None and self.watch is not None and self.watch.alive()
+        """Health check of the warm parent (its sandboxes die with it). A warm parent
+        whose control socket closed is dying: pid 1 of a pid namespace only exits once
+        every process of it is reaped, which may take long (or, held by a zombie whose
+        parent is outside the tree, forever), while its pidfd still says alive."""
+        if self.sock is None or self.watch is None or not self.watch.alive():
+            return False
+        return not peer_closed(self.sock)
 
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """Exit code of a worker (negative: signal), None if unknown or running."""
@@ -469,8 +479,9 @@ class ProcessHost(SharedByBranches):
             if not watch.wait_dead(timeout):
                 watch.kill()  # its tree's init dies with it (PDEATHSIG)
                 watch.wait_dead(5.0)
-            if self.process is not None:
-                self.process.wait()  # our child: reap it (a zygote reaps its forks)
+            if self.process is not None:  # our child: reap it (a zygote reaps its forks)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(5.0)  # dead, or held by its namespace's last zombie
             # It removes its tree's groups and scratch dirs itself, unless it was killed
             # (its tree is named by its host pid).
             cgroups.remove_tree(watch.pid)

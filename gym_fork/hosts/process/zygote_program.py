@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import select
 import signal
 import socket
 import sys
@@ -49,15 +48,16 @@ class ZygoteProcess:
             self.children.discard(pid)
 
     def serve(self) -> None:
-        watched: list[socket.socket | int] = [self.sock, self.controller]
+        # poll, not select: the fds keep the controller's numbers, which may be > 1023
+        watched = [self.sock.fileno(), self.controller]
         while True:
-            readable, _, _ = select.select(watched, [], [], 0.2)
+            readable = linux.readable(watched, 0.2)
             self.reap()
             if self.controller in readable:
                 return  # the controller died
             if self.retired and not self.children:
                 return
-            if self.sock not in readable:
+            if self.sock.fileno() not in readable:
                 continue
             try:
                 message, fds = M.receive(self.sock, M.ForkWarmParent, M.Retire)
