@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -205,6 +206,46 @@ def test_a_good_lease_is_taken_and_a_dead_one_discarded(channel):
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_a_spawn_waits_for_a_lease_owed_and_only_then(channel):
+    held, warm_parent = channel
+    first, second = sleeper(), sleeper()
+    try:
+        offer(warm_parent, first.pid, first.pid)
+        lease = held.take(admit_all, 5.0)
+        assert lease is not None and lease.watch.pid == first.pid
+        lease.close()
+        # One owed (the one taken), but no wait asked (a spawn of several): at once.
+        start = time.monotonic()
+        assert held.take(admit_all) is None
+        assert time.monotonic() - start < 0.5
+        # One owed: the replacement the warm parent sends 0.2 s later is waited for.
+        timer = threading.Timer(0.2, offer, (warm_parent, second.pid, second.pid))
+        timer.start()
+        try:
+            start = time.monotonic()
+            lease = held.take(admit_all, 10.0)
+            waited = time.monotonic() - start
+        finally:
+            timer.join()
+        assert lease is not None and lease.watch.pid == second.pid
+        assert 0.15 < waited < 9.0, waited
+        lease.close()
+        # One owed again (the second taken), none coming: the wait ends at its deadline.
+        assert held.owed == 1
+        start = time.monotonic()
+        assert held.take(admit_all, 0.3) is None
+        assert 0.25 < time.monotonic() - start < 5.0
+        # Nothing owed: no wait, whatever wait_s says.
+        held.owed = 0
+        start = time.monotonic()
+        assert held.take(admit_all, 10.0) is None
+        assert time.monotonic() - start < 0.5
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_channel_that_closes_means_no_leases(channel):

@@ -33,7 +33,7 @@ from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
-from gym_fork.hosts.process.leases import MAX_LEASES, IdleLeases, Lease
+from gym_fork.hosts.process.leases import MAX_LEASES, OWED_WAIT_S, IdleLeases, Lease
 from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
@@ -200,7 +200,9 @@ class ProcessHost(SharedByBranches):
             for k, (spec, slab_fd) in enumerate(zip(specs, slab_fds, strict=True)):
                 while made[k] is None and refused < MAX_LEASES:
                     with self._lock:
-                        lease = self._leases.take(self._new_members)
+                        # The last one waits a little for a lease owed (leases.py).
+                        wait_s = OWED_WAIT_S if k == len(specs) - 1 else 0.0
+                        lease = self._leases.take(self._new_members, wait_s)
                         self._note_discarded_idle(self._leases.take_discarded())
                     if lease is None:
                         break

@@ -23,13 +23,14 @@ import contextlib
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gym_fork.errors import ControlMessageError, SandboxStartError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import child_state
-from gym_fork.system.linux import ProcessWatch
+from gym_fork.system.linux import ProcessWatch, wait_readable
 from gym_fork.transport.control import frame_queued
 from gym_fork.transport.typed_messages import adopt_pidfds
 
@@ -37,6 +38,10 @@ from gym_fork.transport.typed_messages import adopt_pidfds
 MAX_LEASES = 16
 # A lease message stalled mid-way for longer than this closes the channel.
 CHANNEL_TIMEOUT_S = 1.0
+# How long a spawn of its last sandbox waits for a lease the warm parent owes before it
+# asks the warm parent instead (back-to-back resets by clone, CartPole: p99 27-29 ->
+# 19-20 ms, mean 11.4-12.6 -> 10.7-11.1; docs/benchmarks-notebook.md, session 10).
+OWED_WAIT_S = 0.015
 # Process states of an idle sandbox that must not be assigned (as in idle.py).
 _UNUSABLE = ("T", "t", "Z", "X", "x")
 
@@ -95,6 +100,7 @@ class IdleLeases:
         self.ready: list[Lease] = []
         self.taking: set[int] = set()  # pids of leases taken, not yet settled
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
+        self.owed = 0  # leases taken that the warm parent has not replaced yet
 
     def open(self, fd: int) -> None:
         """The warm parent's lease channel arrived (our end, ``fd``): kept if it is a
@@ -122,20 +128,31 @@ class IdleLeases:
         """``lease`` (taken) became a registered sandbox, or was discarded."""
         self.taking.discard(lease.watch.pid)
 
-    def take(self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]]) -> Lease | None:
+    def take(
+        self, admit: Callable[[list[ProcessWatch], str], list[ProcessWatch]], wait_s: float = 0.0
+    ) -> Lease | None:
         """A usable leased idle sandbox, or None. ``admit`` checks that a watch names a
-        new sandbox of the tree (the host's ``_new_members``)."""
-        self._drain(admit)
-        while self.ready:
-            lease = self.ready.pop(0)
-            state = child_state(lease.watch.pid) if lease.watch.alive() else "X"
-            if state not in _UNUSABLE:
-                self.taking.add(lease.watch.pid)
-                return lease
-            if state in ("T", "t"):
-                self.discarded.append([lease.watch.pid, state])
-            lease.discard()
-        return None
+        new sandbox of the tree (the host's ``_new_members``). With none left but some
+        owed (the warm parent replaces each one taken, at once when it was the last),
+        waits up to ``wait_s`` for one: for a single sandbox, asking the warm parent
+        instead makes it fork one more while it forks those it owes, on the same cores."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._drain(admit)
+            while self.ready:
+                lease = self.ready.pop(0)
+                state = child_state(lease.watch.pid) if lease.watch.alive() else "X"
+                if state not in _UNUSABLE:
+                    self.taking.add(lease.watch.pid)
+                    self.owed += 1
+                    return lease
+                if state in ("T", "t"):
+                    self.discarded.append([lease.watch.pid, state])
+                lease.discard()
+            left = deadline - time.monotonic()
+            if self.channel is None or self.owed <= 0 or left <= 0:
+                return None
+            wait_readable(self.channel.fileno(), left)
 
     def take_discarded(self) -> list[list]:
         """[pid, state] of the stopped leased sandboxes killed since the last call."""
@@ -180,6 +197,7 @@ class IdleLeases:
                 Lease(lease.pid, watch, sock).discard()
                 continue
             self.ready.append(Lease(lease.pid, watch, sock))
+            self.owed = max(0, self.owed - 1)
 
     def close_channel(self) -> None:
         """No more leases from this warm parent (those held stay usable)."""
