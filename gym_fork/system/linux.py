@@ -42,7 +42,7 @@ def wait_readable(fd: int, timeout: float | None) -> bool:
     forever). poll, not select: select cannot watch an fd number above 1023."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+    return bool(poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
 
 def readable(fds: list[int], timeout: float) -> list[int]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import array
 import fcntl
+import math
 import os
 import select
 import socket
 import struct
 import termios
+import time
 from typing import Any
 
 from gym_fork.errors import ControlMessageError
@@ -75,9 +77,14 @@ def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> boo
     return queued[0] >= _HEADER.size + length
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks = []
     while n:
+        if deadline is not None and not _readable_until(sock, deadline):
+            raise ControlMessageError(
+                "a control message stalled mid-way: the rest did not come in time",
+                reason="timeout",
+            )
         chunk = sock.recv(min(n, 1 << 20))
         if not chunk:
             raise EOFError("control socket closed by its peer")
@@ -86,12 +93,22 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[Any, list[int]]:
+def _readable_until(sock: socket.socket, deadline: float) -> bool:
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    return bool(poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
+
+
+def recv_message(
+    sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES, deadline: float | None = None
+) -> tuple[Any, list[int]]:
     """Receive one message and the fds that came with it (the caller owns them).
 
     A message whose announced length exceeds ``max_bytes``, whose fds do not match its
     header (or were cut short by the kernel), or whose payload does not decode raises
-    :class:`ControlMessageError` (an ``EOFError``) with every received fd closed.
+    :class:`ControlMessageError` (an ``EOFError``) with every received fd closed; so does
+    one not whole by ``deadline`` (``time.monotonic()``; None: the socket's own timeout
+    per read), so that a peer trickling it cannot hold the receiver.
     """
     fd_size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     # CLOEXEC at once: a concurrent fork + exec (a user's os.system) inherits none of them.
@@ -111,7 +128,7 @@ def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tup
                 reason="fds",
             )
         if len(data) < _HEADER.size:
-            data += _recv_exact(sock, _HEADER.size - len(data))
+            data += _recv_exact(sock, _HEADER.size - len(data), deadline)
         length, nfds = _HEADER.unpack(data)
         if nfds != len(fds):
             raise ControlMessageError(
@@ -122,7 +139,7 @@ def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tup
                 f"a control message announces {length} bytes, more than the {max_bytes} accepted",
                 reason="too_big",
             )
-        payload = _recv_exact(sock, length)
+        payload = _recv_exact(sock, length, deadline)
         try:
             # Bounded as a ring record (a sandbox writes on its side socket).
             message = unpack(payload, max_objects=codec.MAX_OBJECTS)

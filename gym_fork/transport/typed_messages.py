@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import os
 import socket
+import time
 import types
 import typing
 from dataclasses import dataclass
@@ -164,12 +165,14 @@ def receive_reply(
 def receive_reply(
     sock: socket.socket, timeout: float | None, what: str, *expected: type[Message]
 ) -> tuple[Message, list[int]]:
-    """The answer to a request (``what``), within ``timeout`` seconds; a missing, dead
-    or malformed answer raises SandboxStartError."""
+    """The answer to a request (``what``), whole within ``timeout`` seconds; a missing,
+    dead, malformed or trickled answer raises SandboxStartError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     if not wait_readable(sock.fileno(), timeout):
         raise SandboxStartError(f"{what}: no answer within {timeout} s")
     try:
-        return receive(sock, *expected)
+        raw, fds = recv_message(sock, max(kind.MAX_BYTES for kind in expected), deadline)
+        return decode(raw, fds, *expected), fds
     except ControlMessageError as exc:
         raise SandboxStartError(f"{what}: {exc}") from exc
     except (EOFError, ConnectionError) as exc:

@@ -387,9 +387,13 @@ class ProcessHost(SharedByBranches):
         whose control socket closed is dying: pid 1 of a pid namespace only exits once
         every process of it is reaped, which may take long (or, held by a zombie whose
         parent is outside the tree, forever), while its pidfd still says alive."""
-        if self.sock is None or self.watch is None or not self.watch.alive():
+        sock, watch = self.sock, self.watch  # close() may clear them meanwhile
+        if sock is None or watch is None or not watch.alive():
             return False
-        return not peer_closed(self.sock)
+        try:
+            return not peer_closed(sock)
+        except ValueError:  # closed here meanwhile
+            return False
 
     def exit_code(self, worker: WorkerHandle) -> int | None:
         """Exit code of a worker (negative: signal), None if unknown or running."""
@@ -482,11 +486,19 @@ class ProcessHost(SharedByBranches):
                 watch.kill()  # its tree's init dies with it (PDEATHSIG)
                 watch.wait_dead(5.0)
             if self.process is not None:  # our child: reap it (a zygote reaps its forks)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.process.wait(5.0)  # dead, or held by its namespace's last zombie
+                try:
+                    self.process.wait(5.0)
+                except subprocess.TimeoutExpired:  # its namespace held by a zombie
+                    _reap_later(self.process)
             # It removes its tree's groups and scratch dirs itself, unless it was killed
             # (its tree is named by its host pid).
             cgroups.remove_tree(watch.pid)
             sweep(watch.pid)
             watch.close()
         self.process = None
+
+
+def _reap_later(process: subprocess.Popen) -> None:
+    """Reap ``process`` (killed, its pid namespace not torn down yet) once it exits, in a
+    daemon thread: no zombie of ours is left behind, and close() does not wait for it."""
+    threading.Thread(target=process.wait, name="gym_fork-reap", daemon=True).start()

@@ -146,9 +146,22 @@ class IdlePool:
         to the controller where a lease channel is open; returns the new pids."""
         new = []
         while self.requests >= 2 and len(self.waiting) + len(self.leased) < self.size:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            taken_r, taken_w = os.pipe() if self.channel is not None else (-1, -1)
-            pid = fork()
+            try:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError:  # EMFILE: no refill now; a spawn forks its own sandbox
+                break
+            taken_r, taken_w = -1, -1
+            try:
+                if self.channel is not None:
+                    taken_r, taken_w = os.pipe()
+                pid = fork()
+            except OSError:  # EAGAIN (a pids limit), ENOMEM: as above
+                ours.close()
+                theirs.close()
+                for fd in (taken_r, taken_w):
+                    if fd >= 0:
+                        os.close(fd)
+                break
             if pid == 0:
                 ours.close()
                 if taken_r >= 0:

@@ -152,7 +152,12 @@ class IdleLeases:
             left = deadline - time.monotonic()
             if self.channel is None or self.owed <= 0 or left <= 0:
                 return None
-            wait_readable(self.channel.fileno(), left)
+            # Readable but no whole lease queued (a frame begun, not finished): no wait
+            # for it, which would spin until the deadline; the spawn asks the warm parent.
+            if wait_readable(self.channel.fileno(), left) and not frame_queued(
+                self.channel, M.Leased.MAX_BYTES
+            ):
+                return None
 
     def take_discarded(self) -> list[list]:
         """[pid, state] of the stopped leased sandboxes killed since the last call."""
