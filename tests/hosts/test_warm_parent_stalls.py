@@ -12,8 +12,11 @@ import stat
 import threading
 import time
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
+from gym_fork import ForkVectorEnv
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.process import idle, leases, parent
 from gym_fork.hosts.process import messages as M
@@ -131,3 +134,33 @@ def test_a_reply_trickled_by_the_warm_parent_cannot_hold_the_controller_past_its
     finally:
         controller.close()
         warm_end.close()
+
+
+def test_a_warm_parent_that_takes_no_request_is_replaced_at_the_next_reset(monkeypatch):
+    """A send to the warm parent that fails (it shut down its reading end, or is dying)
+    fails that spawn naming it, and the next health check replaces it, even while its
+    pidfd says it runs: it must not fail every later spawn the same way."""
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "0")  # every spawn asks the warm parent
+    envs = ForkVectorEnv.from_parent(lambda: gym.make("CartPole-v1"), 1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        host = envs.sandboxes.host
+        send = M.send
+
+        def refuse_spawns(sock, message, fds=()):
+            if isinstance(message, M.Spawn):
+                raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            return send(sock, message, fds)
+
+        monkeypatch.setattr(M, "send", refuse_spawns)
+        with watchdog(30.0), pytest.raises(SandboxStartError, match="warm parent"):
+            envs.reset(seed=1)
+        monkeypatch.setattr(M, "send", send)
+        assert host.watch is not None and host.watch.alive()  # it runs, yet is of no use
+        assert not host.alive()
+        with watchdog(30.0):
+            envs.reset(seed=2)
+            envs.step(np.zeros(1, dtype=np.int64))
+        assert envs.sandboxes.host is not host
+    finally:
+        envs.close()

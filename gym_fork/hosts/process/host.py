@@ -74,6 +74,7 @@ class ProcessHost(SharedByBranches):
         self._handle_ids = itertools.count()
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         self._leases = IdleLeases()  # idle sandboxes the warm parent leased to us
+        self._unreachable = False  # a send to it failed: the next health check replaces it
         try:
             setup = init_message(config)
             while True:
@@ -258,6 +259,7 @@ class ProcessHost(SharedByBranches):
                 try:
                     M.send(sock, request, fds)
                 except OSError as exc:  # EPIPE: it closed its end (it is dying)
+                    self._unreachable = True
                     raise SandboxStartError(
                         f"{what}: the warm parent (pid {self.pid}) is gone ({exc})"
                     ) from exc
@@ -386,9 +388,10 @@ class ProcessHost(SharedByBranches):
         """Health check of the warm parent (its sandboxes die with it). A warm parent
         whose control socket closed is dying: pid 1 of a pid namespace only exits once
         every process of it is reaped, which may take long (or, held by a zombie whose
-        parent is outside the tree, forever), while its pidfd still says alive."""
+        parent is outside the tree, forever), while its pidfd still says alive; one
+        whose socket took no request (it shut down its reading end) is of no use."""
         sock, watch = self.sock, self.watch  # close() may clear them meanwhile
-        if sock is None or watch is None or not watch.alive():
+        if sock is None or watch is None or self._unreachable or not watch.alive():
             return False
         try:
             return not peer_closed(sock)
