@@ -40,13 +40,22 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
         sock.sendall(data[sent:])
 
 
+_CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+
+
+def _events(sock: socket.socket, timeout: float) -> int:
+    """The poll events of ``sock`` (readable, or closed) within ``timeout`` seconds
+    (0: as it is now); 0 when none came. poll: any fd number."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    found = poller.poll(max(0, math.ceil(timeout * 1000)))
+    return found[0][1] if found else 0
+
+
 def peer_closed(sock: socket.socket) -> bool:
     """True when the other end of ``sock`` has closed it (or it failed): nothing more
     will come from it, whatever is still queued. Does not wait."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLRDHUP)
-    closed = select.POLLRDHUP | select.POLLHUP | select.POLLERR
-    return any(mask & closed for _, mask in poller.poll(0))
+    return bool(_events(sock, 0) & _CLOSED)
 
 
 def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> bool:
@@ -54,12 +63,10 @@ def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> boo
     and payload) is queued, or it never can be (the peer hung up, or announces more than
     ``max_bytes``: the receive then says so). A peer that trickles a message can then not
     hold up a receiver that polls (whose timeout is per read, not per message)."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
-    events = poller.poll(0)
+    events = _events(sock, 0)
     if not events:
         return False  # (a socket with a timeout would wait for it in recv: no MSG_DONTWAIT)
-    if events[0][1] & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+    if events & _CLOSED:
         return True
     try:
         head = sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -80,7 +87,7 @@ def frame_queued(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> boo
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks = []
     while n:
-        if deadline is not None and not _readable_until(sock, deadline):
+        if deadline is not None and not _events(sock, deadline - time.monotonic()):
             raise ControlMessageError(
                 "a control message stalled mid-way: the rest did not come in time",
                 reason="timeout",
@@ -91,12 +98,6 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)
-
-
-def _readable_until(sock: socket.socket, deadline: float) -> bool:
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
-    return bool(poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
 
 
 def recv_message(
