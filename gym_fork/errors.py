@@ -70,6 +70,16 @@ class SandboxStartError(GymForkError):
     code = "sandbox_start"
 
 
+class IsolationMissing(SandboxStartError):
+    """``isolation="strict"``: the sandboxes lack a layer; ``missing`` says which, why."""
+
+    code = "isolation_missing"
+
+    def __init__(self, message: str, *, missing: dict[str, str]) -> None:
+        super().__init__(message)
+        self.missing = dict(missing)
+
+
 class SubEnvCrashed(GymForkError):
     """A sub-environment's sandbox died (signal, exit or kill) while serving a call.
 

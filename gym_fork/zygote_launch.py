@@ -49,10 +49,13 @@ def zygote_key(env: dict[str, str]) -> tuple:
     return (sys.executable, ids, tuple(chosen))
 
 
-def warm_parent_environment() -> dict[str, str]:
-    """The environment of a warm parent: the controller's, with gym_fork importable
+def warm_parent_environment(pass_env: tuple[str, ...] | bool = ()) -> dict[str, str]:
+    """The environment of a warm parent: the controller's, less what the allowlist and
+    ``pass_env`` leave out (gym_fork/system/environment.py), with gym_fork importable
     and the leak-check marker set."""
-    env = dict(os.environ)
+    from gym_fork.system.environment import scrubbed  # stdlib only: cheap, and late
+
+    env = scrubbed(os.environ, pass_env)
     env["PYTHONPATH"] = os.pathsep.join(
         [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )

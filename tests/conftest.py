@@ -36,6 +36,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def tmp_paths_readable_by_sandboxes(tmp_path_factory):
+    """Sandboxes run as an unprivileged uid (gym_fork/system/identity.py): pytest's
+    tmp_path lies in /tmp/pytest-of-root, which only root may enter. Tests hand sandboxes
+    files there as a user hands them a dataset: let other users in (not list)."""
+    base = tmp_path_factory.getbasetemp()
+    for directory in (base.parent, base):
+        _let_others_enter(directory)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def tmp_path_readable_by_sandboxes(request):
+    """Each test's own tmp_path (made 0700 by pytest), as above."""
+    if "tmp_path" in request.fixturenames:
+        _let_others_enter(request.getfixturevalue("tmp_path"))
+    yield
+
+
+def _let_others_enter(directory) -> None:
+    os.chmod(directory, os.stat(directory).st_mode | 0o011)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def throwaway_lineage_log():
     """Tests write their provenance to a throw-away log, not the user's state directory."""
     if "GYM_FORK_LINEAGE_LOG" in os.environ:

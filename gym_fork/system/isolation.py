@@ -53,7 +53,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from gym_fork.system import cgroups, confine, host_view, linux, snapshot
+from gym_fork.system import cgroups, confine, host_view, identity, linux, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -92,7 +92,9 @@ class IsolationConfig:
     ``writable_paths``: host directories a sandbox may write (bound writable into its
     read-only view of the host, nosuid). ``tmpfs_bytes``: the size of each private
     tmpfs layer (None: :data:`DEFAULT_TMPFS_BYTES`, or ``limits.memory_bytes`` when
-    smaller)."""
+    smaller). ``sandbox_user``: "auto" (an unprivileged uid of the tree's own, unless
+    env code could not read or write what it needs as one: gym_fork/system/identity.py),
+    "unprivileged" (that uid whatever happens) or "root"."""
 
     namespaces: bool = True
     network: bool = False
@@ -101,6 +103,10 @@ class IsolationConfig:
     confine: bool = True  # drop capabilities and install the seccomp filter
     writable_paths: tuple[str, ...] = ()
     tmpfs_bytes: int | None = None
+    sandbox_user: str = "auto"
+    # Variables of the controller's environment the tree gets besides the allowlist
+    # (gym_fork/system/environment.py); True: all of them.
+    pass_env: tuple[str, ...] | bool = ()
 
     def layer_bytes(self) -> int:
         """The size of each private tmpfs layer."""
@@ -176,6 +182,7 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
     achieved = Isolation(tree_id=tree_id)
     if not config.namespaces:
         achieved.missing["namespaces"] = "disabled by the caller (isolation.namespaces=False)"
+        _choose_identity(config, achieved, namespaced=False)
         return achieved
     flags = ns.CLONE_NEWNS | ns.CLONE_NEWUTS | (0 if config.network else ns.CLONE_NEWNET)
     try:
@@ -184,6 +191,7 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
         why = f"unshare failed ({exc.strerror}): needs root or user namespaces"
         for layer in ("mount", "uts", "net", "pid", "private_tmp"):
             achieved.missing[layer] = why
+        _choose_identity(config, achieved, namespaced=False)
         return achieved
     achieved.tree.update(mount=True, uts=True, net=not config.network)
     if config.network:
@@ -196,7 +204,9 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
     except OSError as exc:
         for layer in ("pid", "private_tmp"):
             achieved.missing[layer] = f"mounts of the tree cannot be made private: {exc}"
+        _choose_identity(config, achieved, namespaced=False)
         return achieved
+    _choose_identity(config, achieved, namespaced=True)
     try:
         ns.unshare(ns.CLONE_NEWPID)
         achieved.tree["pid"] = True
@@ -234,6 +244,45 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
             host_view.bind_tree_tmp_view()
             achieved.tree["tmp_view"] = True
     return achieved
+
+
+def _choose_identity(config: IsolationConfig, achieved: Isolation, namespaced: bool) -> None:
+    """Which host uid the tree's env code runs as (``tree["uid"]``), decided once, before
+    any env code, from what it must read and write (gym_fork/system/identity.py). With
+    the tree's own mount namespace (``namespaced``), directories only root may enter on
+    the way to what env code reads are opened in its view (not on the host)."""
+    host_uid = os.geteuid()
+    achieved.tree["uid"] = host_uid
+    if host_uid != 0:
+        achieved.missing["identity"] = (
+            f"the controller is not root: env code runs as its uid {host_uid} and can read "
+            "whatever that uid can"
+        )
+        return
+    if config.sandbox_user == "root":
+        achieved.missing["identity"] = (
+            "sandbox_user='root' (the caller's choice): env code runs as the host's root "
+            "and can read every file root owns"
+        )
+        return
+    passages, why = identity.plan(identity.paths_env_code_reads(), config.writable_paths)
+    if why is None and passages:
+        if not namespaced:
+            why = f"{passages[0]!r} is closed to other users and the tree has no mount namespace"
+        else:
+            try:
+                identity.open_passages(passages, config.layer_bytes())
+                achieved.tree["passages"] = passages
+            except OSError as exc:
+                why = str(exc)
+    if why is not None and config.sandbox_user == "auto":
+        achieved.missing["identity"] = (
+            "env code runs as the host's root (it can read owner-only files such as "
+            f"~/.ssh): {why}; make that readable by other users, or pass "
+            "sandbox_user='unprivileged' to run as an unprivileged uid anyway"
+        )
+        return
+    achieved.tree["uid"] = identity.sandbox_uid(achieved.tree_id)
 
 
 def become_tree_init(achieved: Isolation) -> None:
@@ -304,8 +353,42 @@ def enter_sandbox(
         # (with a mount namespace: applied before the read-only view)
         achieved.limits = apply_limits(config.limits, achieved.missing)
         _join_cgroups(config, achieved, owner)
+    if not inherited:
+        _become_sandbox_user(tree, achieved, scratch)
     _confine(config, achieved)
     return scratch, achieved
+
+
+def _gpu_devices() -> list[str]:
+    """The GPU devices of this sandbox's /dev (those minimal_dev gives a tree)."""
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return []
+    gpu = [n for n in names if n.startswith(host_view.GPU_DEVICE_PREFIXES)]
+    paths = [f"/dev/{n}" for n in gpu]
+    for folder in host_view.GPU_DEVICE_DIRS:
+        with contextlib.suppress(OSError):
+            paths += [f"/dev/{folder}/{n}" for n in os.listdir(f"/dev/{folder}")]
+    return paths
+
+
+def _become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | None) -> None:
+    """The last privileged step: become the tree's unprivileged uid (its set-up is done;
+    its capabilities stay in force until :func:`_confine` drops them)."""
+    uid = tree.tree.get("uid", 0)
+    if not uid or os.geteuid() != 0:
+        achieved.sandbox["uid"] = os.geteuid()
+        return
+    try:
+        if scratch is not None:
+            os.chown(scratch, uid, uid)
+        groups = identity.device_groups(_gpu_devices())
+        identity.become(uid, groups)
+        achieved.sandbox["uid"] = uid
+    except OSError as exc:
+        achieved.sandbox["uid"] = os.geteuid()
+        achieved.missing["identity"] = f"env code runs as the host's root: {exc}"
 
 
 def _join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> None:
@@ -405,6 +488,10 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
         )
         return
     confine.forget_inherited_drop()  # every capability again, in this namespace only
+    # A process that is not dumpable has its /proc files owned by the host's root, which
+    # a clone of an unprivileged uid (or of a clone) is not: it could not write its own
+    # maps. Not dumpable again in _confine; ptrace is refused by seccomp meanwhile.
+    linux.prctl(linux.PR_SET_DUMPABLE, 1)
     own_net = bool(_own_network(config, clone=True))
     achieved.sandbox.update(user=True, mount=True, ipc=True, net=own_net)
     try:
@@ -522,16 +609,17 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
         why = "disabled by the caller (isolation.confine=False)"
         achieved.missing["capabilities"] = achieved.missing["seccomp"] = why
         return
-    if os.geteuid() == 0:
-        with contextlib.suppress(OSError):
-            confine.forbid_tracing()
+    with contextlib.suppress(OSError):
+        confine.forbid_tracing()
     # Clones make their own user namespace, which needs CAP_SETFCAP (confine.py).
     # A clone without a user namespace of its own cannot drop it from its bounding set
     # (that needs CAP_SETPCAP): it keeps what it inherited.
     inherited_only = confine.inherited() and not achieved.sandbox.get("user")
+    # An unprivileged uid maps itself into a clone's user namespace without CAP_SETFCAP
+    # (the kernel asks for it only to map the host's uid 0).
     keep = (
         confine.KEPT_FOR_CLONES
-        if inherited_only or _clones_get_namespaces(config, achieved)
+        if os.geteuid() == 0 and (inherited_only or _clones_get_namespaces(config, achieved))
         else ()
     )
     try:

@@ -29,6 +29,7 @@ class Measured:
     no_new_privs: bool = False
     seccomp_filters: int = 0  # 0: no filter (mode 2 with N filters otherwise)
     capabilities: int = -1  # CapEff as a bit mask, -1 if unreadable
+    uid: int = -1  # its effective uid as the host sees it, -1 if unreadable
     bounding: int = -1
     writable_mounts: list[str] | None = None  # None: mountinfo unreadable
     links: dict[str, str] = field(default_factory=dict)  # namespace -> its link
@@ -69,6 +70,9 @@ def measure(pid: int, writable: frozenset[str] = frozenset()) -> Measured | None
     result.no_new_privs = fields.get("NoNewPrivs", "0").strip() == "1"
     if fields.get("Seccomp", "0").strip() == "2":
         result.seccomp_filters = int(fields.get("Seccomp_filters", "1").strip() or 1)
+    uids = fields.get("Uid", "").split()
+    if len(uids) > 1 and uids[1].isdigit():
+        result.uid = int(uids[1])
     try:
         result.capabilities = int(fields.get("CapEff", "").strip(), 16)
         result.bounding = int(fields.get("CapBnd", "").strip(), 16)
@@ -126,6 +130,7 @@ def achieved(
             "read_only_host": bool(own.get("read_only_host")),
             "writable": list(own.get("writable", [])),
             "user_namespace": bool(own.get("user")),
+            "uid": own.get("uid", tree.get("uid")),
             # Not visible in /proc: as the sandbox set it up, before any env code.
             "landlock": own.get("landlock", "off"),
         },
@@ -163,9 +168,12 @@ def achieved(
         capabilities=measured.capabilities_text(),
         seccomp=measured.seccomp_text(),
         user_namespace=seen["user"],
+        uid=measured.uid,
         read_only_host=measured.writable_mounts == [],
         measured_by="controller (/proc/<pid> of the sandbox)",
     )
+    if measured.uid == 0:
+        missing.setdefault("identity", "env code runs as the host's root (measured)")
     if measured.writable_mounts:
         missing.setdefault(
             "read_only_host",

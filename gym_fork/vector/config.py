@@ -19,6 +19,7 @@ from gym_fork.hosts.base import (
     HostConfig,
     PrepareRecipe,
 )
+from gym_fork.system import environment, identity
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 
@@ -65,6 +66,9 @@ def auto_envs_per_worker(num_envs: int, reset_mode: str = "in_place") -> int:
     return max(1, math.ceil(num_envs / available_cores()))
 
 
+ISOLATION_POLICIES = ("report", "strict")
+
+
 @dataclass(frozen=True)
 class VectorConfig:
     """The options of one vector env (a branch gets ``for_branch``'s copy)."""
@@ -92,6 +96,8 @@ class VectorConfig:
     trusted: bool = False
     prepare: PrepareRecipe | None = None
     origins: tuple[int, ...] = ()  # per sub-env: the env_fn it is built from
+    # "strict": a sandbox missing an isolation layer is refused (IsolationMissing).
+    isolation_policy: str = "report"
 
     @classmethod
     def from_arguments(
@@ -116,6 +122,9 @@ class VectorConfig:
         prepare: PrepareRecipe | None = None,
         writable_paths: Sequence[str | os.PathLike] = (),
         tmpfs_bytes: int | None = None,
+        sandbox_user: str = "auto",
+        pass_env: Sequence[str] | bool = (),
+        isolation: str = "report",
         **plain: Any,
     ) -> VectorConfig:
         """Check every constructor argument; raise ValueError/TypeError naming the bad one.
@@ -184,6 +193,15 @@ class VectorConfig:
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
         ):
             raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+        if sandbox_user not in identity.CHOICES:
+            raise ValueError(
+                f"`sandbox_user` must be one of {identity.CHOICES}, got {sandbox_user!r}"
+            )
+        if isolation not in ISOLATION_POLICIES:
+            raise ValueError(
+                f"`isolation` must be 'report' (warn about a missing layer) or 'strict' "
+                f"(refuse to run without every layer), got {isolation!r}"
+            )
         if trusted is None:
             # Nothing a sandbox sends is unpickled unless the user says so (on every host):
             # unpickling runs code, e.g. an exception raised in a sub-env's step.
@@ -210,7 +228,10 @@ class VectorConfig:
                 limits=limits or SandboxLimits(),
                 writable_paths=checked_writable_paths(writable_paths),
                 tmpfs_bytes=checked_tmpfs_bytes(tmpfs_bytes),
+                sandbox_user=sandbox_user,
+                pass_env=environment.check_pass_env(pass_env),
             ),
+            isolation_policy=isolation,
             prepare=prepare,
             origins=tuple(range(num_envs)) if prepare is None else (0,) * num_envs,
             **plain,

@@ -125,6 +125,9 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         private_tmp: bool = True,
         writable_paths: Sequence[str | os.PathLike] = (),
         tmpfs_bytes: int | None = None,
+        sandbox_user: str = "auto",
+        pass_env: Sequence[str] | bool = (),
+        isolation: str = "report",
         timeout: float | None = None,
         gpu_fork_policy: str = "refuse",
         host: str | None = None,
@@ -151,6 +154,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
                 workers=opened.sandboxes.pool.workers,
             ),
         )
+        self._enforce_isolation(self.isolation)
         provenance.warn_missing_isolation(config, self.isolation)
 
     def _open(self, opened: Opened, record: Callable[[ForkVectorEnv], Lineage]) -> None:
@@ -227,6 +231,14 @@ class ForkVectorEnv(BatchMode, VectorEnv):
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Returns the tuple of the numpy random number generators for the wrapped envs."""
         return self.get_attr("np_random")
+
+    def _enforce_isolation(self, isolation: dict[str, Any]) -> None:
+        """``isolation="strict"``: close and raise if a layer is missing."""
+        try:
+            provenance.enforce_isolation(self.config, isolation)
+        except BaseException:
+            self._teardown(terminate=True)
+            raise
 
     @property
     def isolation(self) -> dict[str, Any]:
@@ -399,6 +411,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
                 workers=opened.sandboxes.pool.workers,
             ),
         )
+        branch._enforce_isolation(branch.isolation)
         provenance.warn_branch_lost_isolation(self.isolation, branch.isolation, plan.branch_id)
         return branch
 

@@ -9,6 +9,7 @@ from typing import Any
 import cloudpickle
 from gymnasium import logger
 
+from gym_fork.errors import IsolationMissing
 from gym_fork.gpu import host_pid
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import WorkerHandle
@@ -160,20 +161,43 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> None:
-    """Warn once about layers the host could not give; not about the caller's choices
-    (network=True, private_tmp=False, namespaces=False, host='inline')."""
+def missing_layers(config: VectorConfig, isolation: dict[str, Any]) -> dict[str, str]:
+    """The layers the host could not give (layer: why), less the caller's choices
+    (network=True, private_tmp=False, namespaces=False, sandbox_user='root',
+    host='inline')."""
     chosen = set()
+    if config.isolation.sandbox_user == "root":
+        chosen.add("identity")
     if config.isolation.network:
         chosen.add("net")
     if not config.isolation.private_tmp:
         chosen.add("private_tmp")
     if not config.isolation.namespaces:  # every layer made of namespaces is declined
         chosen |= {"namespaces", "mount", "uts", "net", "pid", "ipc", "proc", "private_tmp"}
-        chosen |= {"sandbox_mount", "read_only_host", "minimal_dev"}
+        chosen |= {"sandbox_mount", "read_only_host", "minimal_dev", "identity"}
     if config.host == "inline":
         chosen.add("process")
-    missing = {k: v for k, v in isolation.get("missing", {}).items() if k not in chosen}
+    return {k: v for k, v in isolation.get("missing", {}).items() if k not in chosen}
+
+
+def enforce_isolation(config: VectorConfig, isolation: dict[str, Any]) -> None:
+    """With ``isolation="strict"``, raise :class:`IsolationMissing` naming every layer
+    the sandboxes lack (the caller closes them); else do nothing."""
+    if config.isolation_policy != "strict":
+        return
+    missing = missing_layers(config, isolation)
+    if missing:
+        raise IsolationMissing(
+            "isolation='strict' refuses sandboxes without: "
+            + "; ".join(f"{layer} ({why})" for layer, why in sorted(missing.items()))
+            + ". Pass isolation='report' to run with a warning instead",
+            missing=missing,
+        )
+
+
+def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> None:
+    """Warn once about layers the host could not give (:func:`missing_layers`)."""
+    missing = missing_layers(config, isolation)
     key = tuple(sorted(missing))
     if key and key not in _WARNED_MISSING:
         _WARNED_MISSING.add(key)

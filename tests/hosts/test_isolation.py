@@ -99,6 +99,8 @@ def test_tmp_and_dev_shm_are_private_to_each_sandbox():
 def test_tmp_is_private_by_default_and_the_hosts_files_stay_readable(tmp_path):
     host_file = tmp_path / "dataset.txt"  # under /tmp: pytest's tmp_path
     host_file.write_text("from the host")
+    host_file.chmod(0o666)  # sandboxes run as an unprivileged uid: let them try to write
+    tmp_path.chmod(0o1777)
     envs = sandboxes()
     try:
         assert envs.isolation["private_tmp"]

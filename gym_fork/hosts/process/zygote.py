@@ -186,12 +186,12 @@ def fork_warm_parent(
 
 
 def start_warm_parent(
-    timeout: float | None,
+    timeout: float | None, pass_env: tuple[str, ...] | bool = ()
 ) -> tuple[socket.socket, ProcessWatch, subprocess.Popen | None]:
     """A new warm parent, the socket to it and a watch of it: a fork of the controller's
     zygote, or (zygotes off or failing) a fresh interpreter, then also its Popen (ours
     to reap)."""
-    env = warm_parent_environment()
+    env = warm_parent_environment(pass_env)
     forked = fork_warm_parent(env, 60.0 if timeout is None else timeout)
     if forked is not None:
         return (*forked, None)
@@ -206,7 +206,9 @@ def _zygote_for(env: dict[str, str]) -> Zygote:
     with _registry_lock:
         zygote = _live(key)
         if zygote is None:
-            started = start_interpreter(zygote_launch.ZYGOTE_PROGRAM, env)
+            # Started with the allowlist alone: a warm parent gets its pass_env at its fork
+            # (its environ), and the zygote's exec environment is every fork's.
+            started = start_interpreter(zygote_launch.ZYGOTE_PROGRAM, warm_parent_environment())
             zygote = Zygote(key, *started)
             displaced = _register(zygote)
     for old in displaced:  # outside the lock: one may be busy forking for another thread

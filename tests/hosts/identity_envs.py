@@ -1,0 +1,67 @@
+"""Envs for tests/hosts/test_identity.py: what a curious env tries from its sandbox."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import gymnasium as gym
+import numpy as np
+
+
+class CuriousEnv(gym.Env):
+    """Reads files, its environment and the kernel's per-user quotas, from inside."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+    def read(self, path: str) -> str:
+        try:
+            with open(path) as f:
+                return "read: " + f.read()
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno or 0, str(exc))
+
+    def write(self, path: str) -> str:
+        try:
+            with open(path, "w") as f:
+                f.write("x")
+            return "written"
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno or 0, str(exc))
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def exec_environment(self) -> bytes:
+        """What this process was started with (b"" where it may not read it: a process
+        that is not dumpable has its /proc files owned by root)."""
+        try:
+            with open("/proc/self/environ", "rb") as f:
+                return f.read()
+        except PermissionError:
+            return b""
+
+    def ids(self) -> tuple[int, int]:
+        return os.getuid(), os.geteuid()
+
+    def take_inotify_instances(self, most: int) -> int:
+        """Hold as many inotify instances as the kernel gives (up to ``most``)."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        while len(self.held) < most:
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            if fd < 0:
+                break
+            self.held.append(fd)
+        return len(self.held)
