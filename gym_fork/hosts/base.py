@@ -55,7 +55,8 @@ class HostConfig:
     vm_memory_mb: int = DEFAULT_VM_MEMORY_MB
     vm_slab_mb: int = DEFAULT_VM_SLAB_MB
     start_timeout: float | None = None
-    trusted: bool = True
+    # Load what the sandboxes send (pickles run code): only when the user says so.
+    trusted: bool = False
 
 
 @dataclass
@@ -465,10 +466,10 @@ def prepare_failure(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = True) -> NoReturn:
+def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = False) -> NoReturn:
     """Raise what the warm parent (``what``) raised while preparing the env_fns: the
-    original exception with its traceback as a note (only when the sandbox is trusted:
-    unpickling runs code), or a SandboxStartError carrying the text."""
+    original exception with its traceback as a note (only when ``trusted``: unpickling
+    runs code), or a SandboxStartError carrying the text."""
     exc = None
     if trusted and reply.get("exception") is not None:
         try:

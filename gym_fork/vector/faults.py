@@ -224,10 +224,10 @@ def _text(value: Any, limit: int = 64 * 1024) -> str:
 
 
 def worker_exception(
-    record: dict[str, Any], *, building: bool = False, trusted: bool = True
+    record: dict[str, Any], *, building: bool = False, trusted: bool = False
 ) -> BaseException:
     """The exception a worker's error record stands for, with the worker's traceback as
-    a note. Only a trusted sandbox's pickled exception is unpickled."""
+    a note. Only a ``trusted`` sandbox's pickled exception is unpickled."""
     if not isinstance(record, dict):
         return TransportError(f"malformed error record {record!r:.200}", reason="shape")
     index = _record_index(record)  # the sandbox's word: an int, or -1
@@ -329,7 +329,7 @@ def _summary(key: tuple[str, str], indices: list[int], building: bool) -> str:
 
 
 def errors_exception(
-    records: list[Any], *, building: bool = False, trusted: bool = True
+    records: list[Any], *, building: bool = False, trusted: bool = False
 ) -> BaseException:
     """One exception for a call's error records: the one of the highest sub-env index
     (as AsyncVectorEnv raises the last). One error line is logged per distinct error

@@ -62,7 +62,7 @@ class WorkerPool:
         host: Host,
         *,
         max_concurrency: int | None = None,
-        trusted: bool = True,
+        trusted: bool = False,
         send_timeout: float | None = None,
     ) -> None:
         self.workers = []

@@ -81,7 +81,7 @@ def test_replies_are_collected_in_worker_order_and_errors_raised_after_all(worke
         if w.handle.indices[0] == 1:
             errors = [{"index": 1, "type": "KeyError", "message": "'k'", "traceback": "tb"}]
         w.reply(op, seq, [None], errors)
-    with pytest.raises(RuntimeError, match="KeyError") as info:
+    with pytest.raises(KeyError, match="KeyError") as info:  # untrusted: SubEnvError[KeyError]
         pool.collect(P.CALL, 2.0)
     assert info.value.gym_fork_index == 1
 
