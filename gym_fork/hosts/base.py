@@ -30,6 +30,7 @@ from gym_fork.errors import SandboxStartError, like_builtin
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.scratch import is_scratch_dir, remove_scratch
+from gym_fork.text_safety import escape_controls
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 from gym_fork.worker.prepare import PrepareRecipe as PrepareRecipe  # one type, every host
 
@@ -469,7 +470,8 @@ def prepare_failure(exc: BaseException) -> dict[str, Any]:
 def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = False) -> NoReturn:
     """Raise what the warm parent (``what``) raised while preparing the env_fns: the
     original exception with its traceback as a note (only when ``trusted``: unpickling
-    runs code), or a SandboxStartError carrying the text."""
+    runs code), or a SandboxStartError carrying the text (control characters escaped:
+    the warm parent ran env code)."""
     exc = None
     if trusted and reply.get("exception") is not None:
         try:
@@ -479,11 +481,12 @@ def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = False) -> N
     if isinstance(exc, BaseException):
         exc.add_note(
             f"[gym_fork] raised while preparing {what}; its traceback:\n"
-            + str(reply.get("traceback", ""))
+            + escape_controls(str(reply.get("traceback", "")))
         )
         raise exc
-    error = str(reply.get("error"))[:2000]
+    error = escape_controls(str(reply.get("error"))[:2000])
+    trace = escape_controls(str(reply.get("traceback", ""))[:20000])
     type_name = error.split(":", 1)[0] if ":" in error else ""
     raise like_builtin(SandboxStartError, type_name)(
-        f"{what} could not prepare the env_fns: {error}\n{str(reply.get('traceback', ''))[:20000]}"
+        f"{what} could not prepare the env_fns: {error}\n{trace}"
     )

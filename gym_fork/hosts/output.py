@@ -3,7 +3,10 @@
 One daemon thread per host drains every sandbox's two pipes (a sandbox must never block
 on a full pipe), keeps the last ``limit`` bytes of each stream for diagnostics (crash
 and timeout errors quote them), and by default echoes the bytes to the controller's own
-stdout/stderr, as AsyncVectorEnv's workers print to the terminal.
+stdout/stderr, as AsyncVectorEnv's workers print to the terminal. Where that stream
+is a terminal (decided once per stream, when the collector starts), control characters
+and bidi overrides are shown escaped (gym_fork.text_safety): a sandbox must not drive
+the user's terminal. A file or pipe gets the bytes as written.
 
 Echoing never blocks the controller: the drained bytes go to a bounded queue that a
 second thread writes out without holding any lock. When the controller's stdout is
@@ -19,6 +22,8 @@ import selectors
 import threading
 from collections import deque
 
+from gym_fork.text_safety import TerminalEscaper
+
 DEFAULT_LIMIT = 64 * 1024
 # Bytes of sandbox output waiting to be echoed before more is dropped.
 ECHO_BUFFER = 1 << 20
@@ -27,11 +32,14 @@ ECHO_BUFFER = 1 << 20
 class _Echo:
     """A bounded queue of output to copy to fds 1 and 2, written by its own thread.
 
-    ``put`` never blocks; only the echo thread ever waits on a write."""
+    ``put`` never blocks; only the echo thread ever waits on a write (and escapes what
+    goes to a terminal: the draining thread does not pay for it)."""
 
     def __init__(self, capacity: int = ECHO_BUFFER) -> None:
         self.capacity = capacity
-        self.queue: deque[tuple[int, bytes]] = deque()
+        # Which of fds 1 and 2 are terminals, looked at once.
+        self.terminal = {fd: os.isatty(fd) for fd in (1, 2)}
+        self.queue: deque[tuple[int, bytes, TerminalEscaper | None]] = deque()
         self.size = 0
         self.dropped = 0
         self.closed = False
@@ -39,13 +47,19 @@ class _Echo:
         self._thread = threading.Thread(target=self._run, name="gym_fork-echo", daemon=True)
         self._thread.start()
 
-    def put(self, fd: int, data: bytes) -> None:
-        """Queue ``data`` for ``fd``; drop (and count) it when the queue is full."""
+    def escaper(self, fd: int) -> TerminalEscaper | None:
+        """What one source's output to ``fd`` goes through: an escaper if ``fd`` is a
+        terminal (one per source: it keeps a character split across chunks whole)."""
+        return TerminalEscaper() if self.terminal[fd] else None
+
+    def put(self, fd: int, data: bytes, escaper: TerminalEscaper | None = None) -> None:
+        """Queue ``data`` for ``fd`` (through ``escaper`` unless None); drop (and count)
+        it when the queue is full."""
         with self._ready:
             if self.size + len(data) > self.capacity:
                 self.dropped += len(data)
                 return
-            self.queue.append((fd, data))
+            self.queue.append((fd, data, escaper))
             self.size += len(data)
             self._ready.notify()
 
@@ -63,13 +77,13 @@ class _Echo:
                     self._ready.wait()
                 if not self.queue:
                     return
-                fd, data = self.queue.popleft()
+                fd, data, escaper = self.queue.popleft()
                 self.size -= len(data)
                 dropped, self.dropped = self.dropped, 0
             if dropped:
                 note = f"\n[gym_fork: {dropped} bytes of sandbox output dropped: output stalled]\n"
                 _write_all(2, note.encode())
-            _write_all(fd, data)
+            _write_all(fd, data if escaper is None else escaper(data))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -83,11 +97,16 @@ def _write_all(fd: int, data: bytes) -> None:
             return
 
 
+# The controller's fd a sandbox stream is echoed to.
+_ECHO_FD = {"stdout": 1, "stderr": 2}
+
+
 class _Stream:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, escaper: TerminalEscaper | None = None) -> None:
         self.chunks: deque[bytes] = deque()
         self.size = 0
         self.limit = limit
+        self.escaper = escaper  # used by the echo thread only
 
     def add(self, data: bytes) -> None:
         self.chunks.append(data)
@@ -126,7 +145,8 @@ class OutputCollector:
         with self._lock:
             for name, fd in (("stdout", out_fd), ("stderr", err_fd)):
                 os.set_blocking(fd, False)
-                self._streams[(key, name)] = _Stream(self.limit)
+                escaper = self._echo.escaper(_ECHO_FD[name]) if self._echo else None
+                self._streams[(key, name)] = _Stream(self.limit, escaper)
                 self._selector.register(fd, selectors.EVENT_READ, (key, name))
         self._wake()
 
@@ -193,7 +213,8 @@ class OutputCollector:
         if stream is not None:
             stream.add(chunk)
         if self._echo is not None:
-            self._echo.put(1 if data[1] == "stdout" else 2, chunk)
+            fd = _ECHO_FD[data[1]]
+            self._echo.put(fd, chunk, stream.escaper if stream else self._echo.escaper(fd))
         return True
 
     def _run(self) -> None:

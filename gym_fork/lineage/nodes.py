@@ -7,19 +7,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .log import valid_events
+from gym_fork.text_safety import escape_controls
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
-# Line separators and bidirectional overrides: text that reorders or splits what is shown.
-_CONTROL.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *range(0x202A, 0x202F))})
-_CONTROL.update({c: f"\\u{c:04x}" for c in range(0x2066, 0x206A)})
+from .log import valid_events
 
 
 def printable(text: Any) -> str:
-    """``text`` with its control characters (C0, DEL, C1, line separators, bidi
-    overrides) escaped as ``\\xNN``/``\\uNNNN``: a string from a log never moves a
+    """``text`` on one line with its control characters (C0, DEL, C1, line separators,
+    bidi overrides) escaped (gym_fork.text_safety): a string from a log never moves a
     terminal's cursor, retitles or clears it, or reorders what is shown."""
-    return str(text).translate(_CONTROL)
+    return escape_controls(str(text), one_line=True)
 
 
 def local_time(stamp: float | None, *, ms: bool = False) -> str:

@@ -25,6 +25,7 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
+from gym_fork.text_safety import escape_controls
 from gym_fork.transport.ring import SLICE
 
 # Every sub-env's traceback goes here at DEBUG; the user sees one line per distinct error.
@@ -220,7 +221,9 @@ class WaitTimeout(Exception):
 
 
 def _text(value: Any, limit: int = 64 * 1024) -> str:
-    return value[:limit] if isinstance(value, str) else repr(value)[:limit]
+    """A string field of a sandbox's record, bounded and with control characters
+    escaped (error texts are shown later, on whatever stream)."""
+    return escape_controls(value[:limit] if isinstance(value, str) else repr(value)[:limit])
 
 
 def worker_exception(
@@ -405,9 +408,9 @@ def _call_note(
 
 
 def crashed(worker: WorkerHandle, exit_code: int | None, when: str, branch: str) -> SubEnvCrashed:
-    """A sandbox died: name it, its exit status and its last stderr lines (the caller
-    marks the worker dead)."""
-    tail = worker.output_tail("stderr").rstrip().splitlines()[-STDERR_LINES:]
+    """A sandbox died: name it, its exit status and its last stderr lines, control
+    characters escaped (the caller marks the worker dead)."""
+    tail = escape_controls(worker.output_tail("stderr")).rstrip().split("\n")[-STDERR_LINES:]
     stderr = "\n".join("    " + line for line in tail) if tail else "    (nothing)"
     return SubEnvCrashed(
         f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} "

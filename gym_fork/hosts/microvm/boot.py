@@ -20,6 +20,7 @@ from gym_fork.hosts.microvm import template_cache
 from gym_fork.hosts.microvm.machine import Machine, MachineConfig, new_memfd, start_watched
 from gym_fork.hosts.microvm.snapshot import BranchPoint
 from gym_fork.hosts.output import OutputCollector
+from gym_fork.text_safety import escape_controls
 from gym_fork.transport.channel import Channel
 
 _LOCK = threading.Lock()
@@ -119,8 +120,8 @@ def boot_guest(config: MachineConfig, timeout: float) -> BranchPoint:
             why = "exited" if not machine.alive() else f"took over {timeout} s"
             raise SandboxStartError(
                 f"the guest ({config.accel}) {why} before its agent started; its output:\n"
-                + output.tail("boot", "stderr")[-4000:]
-                + output.tail("boot", "stdout")[-2000:]
+                + escape_controls(output.tail("boot", "stderr")[-4000:])
+                + escape_controls(output.tail("boot", "stdout")[-2000:])
                 + machine.log()
             )
         if message.get("op") != "booted":

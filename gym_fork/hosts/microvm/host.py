@@ -62,6 +62,7 @@ from gym_fork.hosts.microvm.snapshot import BranchPoint, copy_data, freeze_copy
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import SandboxLimits
 from gym_fork.system.linux import ProcessWatch
+from gym_fork.text_safety import escape_controls
 from gym_fork.transport.channel import Channel, region_bytes
 from gym_fork.worker import protocol as P
 
@@ -216,7 +217,7 @@ class MicroVMHost(SharedByBranches):
             if not machine.alive():
                 raise SandboxStartError(
                     "the warm parent VM exited before it was ready; its output:\n"
-                    + self._open_output().tail("warm-parent", "stderr")[-4000:]
+                    + escape_controls(self._open_output().tail("warm-parent", "stderr")[-4000:])
                     + machine.log()
                 )
             raise SandboxStartError(

@@ -38,6 +38,7 @@ from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
 from gym_fork.system.measure import Measured, achieved, measure
 from gym_fork.system.scratch import sweep
+from gym_fork.text_safety import escape_controls
 from gym_fork.transport.control import MAX_FDS, peer_closed
 from gym_fork.transport.typed_messages import adopt_pidfds
 from gym_fork.worker import protocol as P
@@ -108,7 +109,15 @@ class ProcessHost(SharedByBranches):
             die_with_controller=threading.current_thread() is threading.main_thread(),
             isolation=cloudpickle.dumps(config.isolation),
         )
-        M.send(self.sock, init)
+        # Its output (the env code it runs: the first build, from_parent's preparation)
+        # goes through the collector, as a sandbox's does: never raw to a terminal.
+        (out_r, out_w), (err_r, err_w) = self._collector().new_pipes()
+        self._collector().watch("warm-parent", out_r, err_r)
+        try:
+            M.send(self.sock, init, (out_w, err_w))
+        finally:
+            os.close(out_w)
+            os.close(err_w)
         reply, fds = M.receive_reply(
             self.sock, config.start_timeout, "the warm parent's start", M.Ready, M.PrepareFailed
         )
@@ -277,7 +286,7 @@ class ProcessHost(SharedByBranches):
         if isinstance(reply, M.Refused):
             for end in ends:
                 end.abort()
-            raise SandboxStartError(f"spawn {specs[0].name}: {reply.error}")
+            raise SandboxStartError(f"spawn {specs[0].name}: {escape_controls(reply.error)}")
         self._note_discarded_idle(reply.idle_discarded)
         return [
             end.handle(pid, watch)

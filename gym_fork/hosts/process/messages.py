@@ -99,9 +99,11 @@ class Retire(Message):
 @dataclass(frozen=True)
 class Init(Message):
     """Controller, first: what to prepare (``setup``: gym_fork.hosts.base.init_message)
-    and how to live (the pre-import's known names, the controller, the isolation)."""
+    and how to live (the pre-import's known names, the controller, the isolation); fds:
+    the warm parent's stdout and stderr (pipes the controller drains)."""
 
     OP = "init"
+    FDS = 2
     MAX_BYTES = MAX_MESSAGE_BYTES  # cloudpickled env_fns
     setup: dict[str, Any]
     preimport: dict[str, Any]

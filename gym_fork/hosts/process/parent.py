@@ -362,10 +362,13 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides about Ctrl-C
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        init, _ = M.receive(sock, M.Init)
+        init, (out_fd, err_fd) = M.receive(sock, M.Init)
     except (EOFError, ConnectionError):
         return
     assert isinstance(init, M.Init)  # receive gives only the kinds asked for
+    # Before any env code: what it prints goes to the controller's pipes, not to the
+    # controller's own stdout/stderr (a terminal would obey its escape sequences).
+    redirect_output(out_fd, err_fd)
     if controller is None:
         controller = children.watch_parent(init.controller_pid)
         if init.die_with_controller:
