@@ -97,7 +97,9 @@ class ProcessHost(SharedByBranches):
 
     def _start(self, config: HostConfig, setup: dict[str, Any]) -> tuple[M.Ready, ProcessWatch]:
         """Start a warm parent and have it prepare; its ready reply and a watch of it."""
-        self.sock, self.watch, self.process = zygote.start_warm_parent(config.start_timeout)
+        self.sock, self.watch, self.process = zygote.start_warm_parent(
+            config.start_timeout, config.isolation.pass_env
+        )
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.
