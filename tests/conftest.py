@@ -47,10 +47,11 @@ def tmp_paths_readable_by_sandboxes(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def tmp_path_readable_by_sandboxes(request):
-    """Each test's own tmp_path (made 0700 by pytest), as above."""
+def tmp_path_writable_by_sandboxes(request):
+    """Each test's own tmp_path (made 0700 by pytest) is where tests let sandboxes
+    write (with private_tmp=False or writable_paths): /tmp's mode, 1777."""
     if "tmp_path" in request.fixturenames:
-        _let_others_enter(request.getfixturevalue("tmp_path"))
+        request.getfixturevalue("tmp_path").chmod(0o1777)
     yield
 
 

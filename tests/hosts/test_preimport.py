@@ -123,6 +123,7 @@ def test_a_hostile_throw_away_build_cannot_confuse_the_warm_parent():
 
 
 def test_the_throw_away_build_is_confined_like_a_sandbox(tmp_path):
+    tmp_path.chmod(0o1777)  # written by sandboxes, which run as an unprivileged uid
     built_before([confinement_env(str(tmp_path))] * 2, private_tmp=False)
     reports = [p.read_text() for p in tmp_path.iterdir()]
     assert len(reports) == 3, reports  # two sandboxes and the throw-away build
@@ -143,7 +144,8 @@ def script_env(directory: str):
 def test_a_script_of_the_user_never_runs_in_the_warm_parent(tmp_path, monkeypatch):
     scripts, seen = tmp_path / "scripts", tmp_path / "seen"
     scripts.mkdir()
-    seen.mkdir()
+    seen.mkdir(mode=0o1777)
+    seen.chmod(0o1777)  # written by sandboxes, which run as an unprivileged uid
     (scripts / "gf_user_script.py").write_text(
         f"import os\nopen(os.path.join({str(seen)!r}, str(os.getpid())), 'w').close()\n"
     )

@@ -67,9 +67,12 @@ def test_a_sandbox_sees_the_controller_environment_of_its_construction(monkeypat
     with contextlib.closing(ForkVectorEnv([cartpole])):
         pass  # the zygote exists now, with the environment of then
     monkeypatch.setenv("ZYGOTE_TEST_VALUE", "set after the zygote started")
-    with contextlib.closing(ForkVectorEnv([EnvironmentEnv])) as envs:
+    # Passed by name (the allowlist leaves it out: gym_fork/system/environment.py).
+    with contextlib.closing(ForkVectorEnv([EnvironmentEnv], pass_env=["ZYGOTE_*"])) as envs:
         assert zygote_of(envs) is not None
         assert envs.call("variable", "ZYGOTE_TEST_VALUE") == ("set after the zygote started",)
+    with contextlib.closing(ForkVectorEnv([EnvironmentEnv])) as envs:
+        assert envs.call("variable", "ZYGOTE_TEST_VALUE") == (None,)
 
 
 def test_a_changed_startup_variable_gets_a_new_zygote_and_the_old_one_retires(monkeypatch):

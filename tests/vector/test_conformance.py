@@ -233,6 +233,7 @@ class CountingEnv:
 def test_max_concurrency_bounds_sub_envs_stepping_at_once(tmp_path, limit):
     path = tmp_path / "count"
     path.write_text("0 0")
+    path.chmod(0o666)  # sandboxes run as an unprivileged uid
     envs = ForkVectorEnv(
         [CountingEnv(str(path))] * 4,
         envs_per_worker=1,
