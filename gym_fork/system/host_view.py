@@ -5,9 +5,11 @@ mounts (used by gym_fork/system/isolation.py, in the order it gives)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 from gym_fork.system import namespaces as ns
+from gym_fork.system import paths as no_follow
 from gym_fork.system import snapshot
 
 # The tree's /tmp, seen read-only by its sandboxes at this path of the tree's own /dev:
@@ -24,7 +26,11 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 GPU_DEVICE_PREFIXES = ("nvidia",)
 GPU_DEVICE_DIRS = ("dri",)
 
-Kept = list[tuple[str, int]]  # (where it goes, a detached mount's fd)
+# The host's /tmp and /dev/shm as (where it goes, where from), with private_tmp=False.
+HOST_TMP = (("/tmp", "/tmp"), ("/dev/shm", "/dev/shm"))
+
+# (where it goes, a detached mount's fd, or why it could not be taken)
+Kept = list[tuple[str, int | OSError]]
 
 
 def minimal_dev(keep_host_shm: bool) -> None:
@@ -75,15 +81,32 @@ def minimal_dev(keep_host_shm: bool) -> None:
 
 def bind_writable_views(paths: tuple[str, ...]) -> int:
     """Bind each of ``paths`` at a path of the tree's /dev, before the tree's /tmp
-    overlay hides the host's /tmp: where sandboxes take their writable copies. Returns
-    how many were bound; raises OSError naming the one that could not be."""
+    overlay hides the host's /tmp: where sandboxes take their writable copies. Each is
+    reached through no symlink and bound from its fd (:func:`bind_from`). Returns how
+    many were bound; raises OSError naming the one that could not be."""
     for i, path in enumerate(paths):
         try:
-            os.mkdir(f"{WRITABLE_VIEW}{i}", 0o700)
-            ns.mount(path, f"{WRITABLE_VIEW}{i}", None, ns.MS_BIND | ns.MS_REC)
+            mount_fd = bind_from(path)
+            try:
+                os.mkdir(f"{WRITABLE_VIEW}{i}", 0o700)
+            except BaseException:
+                os.close(mount_fd)
+                raise
+            ns.attach_mount(mount_fd, f"{WRITABLE_VIEW}{i}")
         except OSError as exc:
             raise OSError(exc.errno, f"{path}: {exc}") from exc
     return len(paths)
+
+
+def bind_from(path: str) -> int:
+    """A detached recursive copy of the mounts at the directory ``path``, opened through
+    no symlink and copied from that fd (nothing walks ``path`` again, whatever a
+    sandbox changes meanwhile). A symlink in ``path`` raises OSError(ELOOP) naming it."""
+    fd = _open_directory(path)
+    try:
+        return ns.clone_mount_of(fd)
+    finally:
+        os.close(fd)
 
 
 def bind_tree_tmp_view() -> None:
@@ -92,24 +115,34 @@ def bind_tree_tmp_view() -> None:
     ns.mount("/tmp", TREE_TMP_VIEW, None, ns.MS_BIND)
 
 
-def writable_sources(host_tmp: bool, paths: tuple[str, ...], views: int) -> list[tuple[str, str]]:
+def writable_sources(
+    host_tmp: bool, paths: tuple[str, ...], views: int
+) -> list[tuple[str, str | None]]:
     """(where it goes, where to copy it from) for each writable host directory: the
     host's /tmp and /dev/shm if ``host_tmp``, and the tree's views of ``paths`` (its
-    /tmp overlay and /dev hide the host's), of which ``views`` were bound."""
-    shared = [("/tmp", "/tmp"), ("/dev/shm", "/dev/shm")] if host_tmp else []
+    /tmp overlay and /dev hide the host's), of which ``views`` were bound; None for the
+    others: copied from the directory itself, reached through no symlink."""
+    shared: list[tuple[str, str | None]] = list(HOST_TMP) if host_tmp else []
     for i, path in enumerate(paths):
-        shared.append((path, f"{WRITABLE_VIEW}{i}" if i < views else path))
+        shared.append((path, f"{WRITABLE_VIEW}{i}" if i < views else None))
     return shared
 
 
-def read_only_view(sources: list[tuple[str, str]]) -> Kept:
+def read_only_view(sources: list[tuple[str, str | None]]) -> Kept:
     """Make every mount of this (new) mount namespace read-only but /proc (except the
     kernel's settings in :data:`READ_ONLY_PROC`); returns detached writable copies of
-    ``sources`` for :func:`attach_writable` (taken before, so still writable)."""
+    ``sources`` for :func:`attach_writable` (taken before, so still writable). A copy
+    that cannot be taken is kept as its error, raised by :func:`attach_writable`: the
+    view is read-only whatever happens to a writable directory."""
     kept: Kept = []
     try:
         for target, source in sources:
-            kept.append((target, ns.clone_mount(source, recursive=True)))
+            try:
+                fd = bind_from(target) if source is None else ns.clone_mount(source)
+            except OSError as exc:
+                kept.append((target, exc))
+                continue
+            kept.append((target, fd))
         ns.set_mount_attributes("/", recursive=True, set_=ns.MOUNT_ATTR_RDONLY)
         # A process writes some of its own /proc files (oom_score_adj, a user
         # namespace's uid_map): /proc itself stays writable, the kernel's knobs do not.
@@ -125,23 +158,63 @@ def read_only_view(sources: list[tuple[str, str]]) -> Kept:
 
 def attach_writable(kept: Kept) -> None:
     """Put the writable copies in place (nosuid, nodev): last, over the sandbox's own
-    /tmp too, so a writable directory under /tmp is the host's."""
+    /tmp too, so a writable directory under /tmp is the host's. Each goes on the
+    directory at its path reached through no symlink (as the view shows it now). Then
+    the process re-enters its working directory: a mount put over it (or over a
+    directory above it) is seen only by a path walked after. Raises the first error, once
+    the others are in place."""
+    first: OSError | None = None
     try:
         while kept:
             target, fd = kept.pop(0)
             try:
-                ns.set_mount_attributes(
-                    fd,
-                    recursive=True,
-                    set_=ns.MOUNT_ATTR_NOSUID | ns.MOUNT_ATTR_NODEV,
-                    clear=ns.MOUNT_ATTR_RDONLY,
-                )
-            except BaseException:
-                os.close(fd)
-                raise
-            ns.attach_mount(fd, target)
+                _attach_writable(target, fd)
+            except OSError as exc:
+                first = first or OSError(exc.errno, f"{target}: {exc}")
     finally:
         _close_all(kept)
+        reenter_working_directory()
+    if first is not None:
+        raise first
+
+
+def _attach_writable(target: str, fd: int | OSError) -> None:
+    if isinstance(fd, OSError):
+        raise fd
+    try:
+        ns.set_mount_attributes(
+            fd,
+            recursive=True,
+            set_=ns.MOUNT_ATTR_NOSUID | ns.MOUNT_ATTR_NODEV,
+            clear=ns.MOUNT_ATTR_RDONLY,
+        )
+        where = None if (target, target) in HOST_TMP else _open_directory(target)
+    except BaseException:
+        os.close(fd)
+        raise
+    if where is None:
+        ns.attach_mount(fd, target)
+        return
+    try:
+        ns.attach_mount_on(fd, where, target)
+    finally:
+        os.close(where)
+
+
+def _open_directory(path: str) -> int:
+    """:func:`no_follow.open_directory`, a symlink refused as OSError(ELOOP)."""
+    try:
+        return no_follow.open_directory(path)
+    except no_follow.SymlinkInPath as exc:
+        raise OSError(errno.ELOOP, str(exc)) from exc
+
+
+def reenter_working_directory() -> None:
+    """chdir again to the working directory's path: a process's cwd stays on the
+    directory it entered, under any mount put over it since (its writes would land
+    there: in a read-only view, or a clone's source's /tmp)."""
+    with contextlib.suppress(OSError):
+        no_follow.enter(os.getcwd())
 
 
 def own_dev_shm(size: int) -> None:
@@ -154,5 +227,6 @@ def own_dev_shm(size: int) -> None:
 
 def _close_all(kept: Kept) -> None:
     for _, fd in kept:
-        os.close(fd)
+        if isinstance(fd, int):
+            os.close(fd)
     kept.clear()

@@ -515,6 +515,7 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
             os.close(source)  # the source's layer: not this clone's to write
         _PRIVATE_WRITES_FD = own
         host_view.own_dev_shm(size)
+        host_view.reenter_working_directory()  # else it writes its source's /tmp
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
     except OSError as exc:
         achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"

@@ -70,6 +70,7 @@ _SYS_MOUNT_SETATTR = 442
 _FSCONFIG_SET_STRING = 1
 _FSCONFIG_CMD_CREATE = 6
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOVE_MOUNT_T_EMPTY_PATH = 0x40
 _AT_FDCWD = -100
 _AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
@@ -110,6 +111,16 @@ def clone_mount(path: str, recursive: bool = True) -> int:
     fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, path.encode(), flags)
     if fd < 0:
         _check(-1, f"open_tree {path}")
+    return fd
+
+
+def clone_mount_of(dir_fd: int) -> int:
+    """:func:`clone_mount` (recursive) of the directory an fd holds: what the fd was
+    opened on, however its path has changed since."""
+    flags = OPEN_TREE_CLONE | _AT_EMPTY_PATH | _AT_RECURSIVE | os.O_CLOEXEC
+    fd = _libc.syscall(_SYS_OPEN_TREE, dir_fd, b"", flags)
+    if fd < 0:
+        _check(-1, f"open_tree fd {dir_fd}")
     return fd
 
 
@@ -160,6 +171,16 @@ def attach_mount(mount_fd: int, target: str) -> None:
             ),
             f"move_mount {target}",
         )
+    finally:
+        os.close(mount_fd)
+
+
+def attach_mount_on(mount_fd: int, target_fd: int, what: str) -> None:
+    """:func:`attach_mount` on the directory an fd holds (``what`` names it in errors)."""
+    flags = _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH
+    try:
+        rc = _libc.syscall(_SYS_MOVE_MOUNT, mount_fd, b"", target_fd, b"", flags)
+        _check(rc, f"move_mount {what}")
     finally:
         os.close(mount_fd)
 

@@ -20,6 +20,7 @@ from gym_fork.hosts.base import (
     PrepareRecipe,
 )
 from gym_fork.system import environment, identity
+from gym_fork.system import paths as no_follow
 from gym_fork.system.isolation import IsolationConfig, SandboxLimits
 from gym_fork.transport.channel import DEFAULT_RING_BYTES
 
@@ -296,20 +297,28 @@ def check_sandbox_count(count: int, what: str) -> None:
 
 
 def checked_writable_paths(paths: Sequence[str | os.PathLike]) -> tuple[str, ...]:
-    """``writable_paths`` as absolute, existing directories (resolved once, here, by the
-    controller: a sandbox never chooses where a writable bind goes)."""
+    """``writable_paths`` as absolute, existing directories, made absolute against the
+    caller's working directory and reached through no symlink, by the rule the warm
+    parent binds them by (a sandbox never chooses where a writable bind goes: a symlink
+    in the path may be one it planted)."""
     if isinstance(paths, str | bytes | os.PathLike):
         raise TypeError(f"`writable_paths` must be a list of directories, got {paths!r}")
     checked = []
     for path in paths:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"`writable_paths` entries must be paths, got {path!r}")
-        real = os.path.realpath(os.fspath(path))
-        if not os.path.isdir(real):
-            raise ValueError(f"`writable_paths`: {os.fspath(path)!r} is not an existing directory")
-        if real == "/":
+        absolute = no_follow.absolute(path)
+        if absolute == "/":
             raise ValueError("`writable_paths` cannot hold '/': use namespaces=False instead")
-        checked.append(real)
+        try:
+            os.close(no_follow.open_directory(absolute))
+        except no_follow.SymlinkInPath as exc:
+            raise ValueError(f"`writable_paths`: {exc}") from None
+        except OSError:
+            raise ValueError(
+                f"`writable_paths`: {os.fspath(path)!r} is not an existing directory"
+            ) from None
+        checked.append(absolute)
     return tuple(checked)
 
 

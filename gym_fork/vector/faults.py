@@ -273,8 +273,9 @@ def _mark(exc: BaseException, **attributes: Any) -> None:
 # causes, and the option that lifts it.
 _DEFAULT_HINTS = {
     30: "[gym_fork] sandboxes see the host's files read-only (EROFS): pass "
-    "writable_paths=[...] to ForkVectorEnv for directories an env must write, or "
-    "private_tmp=False for the host's /tmp.",
+    "writable_paths=[...] to ForkVectorEnv for directories an env must write (relative "
+    'to your working directory, where sandboxes start: writable_paths=["."] for it), '
+    "or private_tmp=False for the host's /tmp.",
     101: "[gym_fork] sandboxes have no network by default (ENETUNREACH): pass network=True.",
     -2: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",
     -3: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",
