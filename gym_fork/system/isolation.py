@@ -341,14 +341,24 @@ def enter_sandbox(
     except OSError as exc:
         achieved.missing["no_new_privs"] = str(exc)
     if inherited:
-        # Its rlimits are its source's (set again: the report says so); cgroupfs is
-        # read-only in its view, so it stays in its source's cgroups.
+        # Its rlimits are its source's (set again: the report says so); its cgroups are
+        # those the controller made for it, joined before anything else (sandbox.py).
         achieved.limits = apply_limits(config.limits, achieved.missing)
         if config.limits.memory_bytes is not None or config.limits.processes is not None:
-            achieved.missing["cgroups"] = (
-                "a clone stays in its source's memory and pids cgroups (cgroupfs is "
-                "read-only in its view): the cgroup limits bind source and clones together"
-            )
+            joined = cgroups.joined_at_fork()
+            errors = joined.pop("errors")
+            if errors:
+                achieved.missing["cgroups"] = (
+                    f"a clone stays in its source's {' and '.join(sorted(errors))} "
+                    f"cgroup(s) ({'; '.join(errors[k] for k in sorted(errors))}): the cgroup "
+                    "limits bind source and clones together"
+                )
+            if "processes" in joined:
+                achieved.missing.pop("limit_processes", None)  # pids.max binds root too
+            # Its own: past memory_bytes the OOM killer ends this branch, not its source.
+            achieved.limits["cgroups"] = {**joined, "own_group": bool(joined)}
+        if "shared_with_source" not in achieved.missing:  # no namespaces of its own
+            _report_shared_with_source(achieved, _CLONE_INHERITS[2])
     elif not achieved.sandbox.get("mount"):
         # (with a mount namespace: applied before the read-only view)
         achieved.limits = apply_limits(config.limits, achieved.missing)
@@ -527,11 +537,16 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
     reopened, failed = snapshot.reopen_copied_files(files)
     if reopened:
         achieved.sandbox["reopened_files"] = reopened
-    shared = shared + stuck + failed
-    if shared:
+    _report_shared_with_source(achieved, shared + stuck + failed)
+
+
+def _report_shared_with_source(achieved: Isolation, shared: list[str]) -> None:
+    names = sorted(set(shared))
+    if names:
         achieved.missing["shared_with_source"] = (
-            f"{len(shared)} open file(s) or MAP_SHARED mapping(s) inherited from its source "
-            f"stay shared with it: {', '.join(sorted(set(shared))[:5])}"
+            f"{len(names)} open file(s) or MAP_SHARED mapping(s) inherited from its source "
+            f"stay shared with it (writes through them reach the source, and the "
+            f"source's reach the branch): {', '.join(names[:5])}"
         )
 
 
@@ -570,24 +585,26 @@ def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
     return copy_from
 
 
-def before_forking_clones(copy_from: str | None, tree: Isolation) -> None:
+def before_forking_clones(copy_from: str | None, tree: Isolation) -> list[str]:
     """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
     :func:`enter_sandbox`): list what their TMPDIRs start from once, here, instead of
-    once in every clone. Only an empty listing is remembered."""
+    once in every clone (only an empty listing is remembered), and what they will share
+    with this sandbox whatever their namespaces: its shared mappings (anonymous shared
+    memory included: a fork does not copy them), and open files in /tmp or /dev/shm no
+    clone can reopen on its copy. Returns those, named."""
     global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
     source = _clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:
         _EMPTY_CLONE_SOURCE = None  # each clone looks for itself
-    if _PRIVATE_WRITES_FD is not None:
-        files, stuck, other_memfds = snapshot.private_files()
-        # /proc/self/maps costs ~0.6 ms to read: only where a shared mapping of the env's
-        # can exist (a file in /tmp or /dev/shm, open or not, or a memfd of its own).
-        suspect = files or stuck or other_memfds or _EMPTY_CLONE_SOURCE is None
-        with contextlib.suppress(OSError):
-            suspect = suspect or bool(os.listdir("/dev/shm"))
-        _CLONE_INHERITS = (files, stuck, snapshot.shared_mappings() if suspect else [])
+    files, stuck = snapshot.private_files() if _PRIVATE_WRITES_FD is not None else ([], [])
+    try:
+        shared = snapshot.shared_mappings()  # every fork: ~40 us (1 ms where read as text)
+    except OSError as exc:
+        shared = [f"[its mappings could not be listed: {exc.strerror or exc}]"]
+    _CLONE_INHERITS = (files, stuck, shared)
+    return sorted(set(shared + stuck))
 
 
 def _new_scratch_dir(prefix: str) -> str:

@@ -11,12 +11,15 @@ import time
 from typing import Any
 
 import numpy as np
+from gymnasium import logger
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
 from gym_fork import progress
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
+from gym_fork.text_safety import escape_controls
+from gym_fork.worker import protocol as P
 
 from .frontend import ForkPlan
 from .lifecycle import Sandboxes, bury
@@ -41,9 +44,22 @@ def check_forkable(workers: list[WorkerHandle], pool) -> None:
             )
 
 
-def clone_sandboxes(source: Opened, plan: ForkPlan) -> tuple[Opened, float]:
+SHARED_MEMORY_POLICIES = ("warn", "refuse")
+
+
+def check_shared_memory_policy(shared_memory: str) -> None:
+    """Refuse an unknown ``fork(shared_memory=...)`` before anything is made."""
+    if shared_memory not in SHARED_MEMORY_POLICIES:
+        raise ValueError(f"shared_memory must be 'warn' or 'refuse', got {shared_memory!r}")
+
+
+def clone_sandboxes(
+    source: Opened, plan: ForkPlan, shared_memory: str = "warn"
+) -> tuple[Opened, float]:
     """A branch's sandboxes, spaces and first observations (its metadata and render mode
-    are its source's); and the seconds the clones took."""
+    are its source's); and the seconds the clones took. ``shared_memory="refuse"``: a
+    source whose clones would share memory with it (a fork does not copy MAP_SHARED
+    mappings) raises ForkUnsafeError before it forks."""
     sandboxes = source.sandboxes
     involved = [w for w in sandboxes.pool.workers if any(i in w.indices for i in plan.indices)]
     check_forkable(involved, sandboxes.pool)
@@ -63,7 +79,7 @@ def clone_sandboxes(source: Opened, plan: ForkPlan) -> tuple[Opened, float]:
             quiet=config.num_envs < 32,
             delay=0.5,
         ):
-            branch.pool.workers = _fork_workers(sandboxes, branch, plan)
+            branch.pool.workers = _fork_workers(sandboxes, branch, plan, shared_memory)
             branch.receive_hellos(branch.pool.workers)
     except BaseException:
         branch.teardown(terminate=True)
@@ -74,7 +90,7 @@ def clone_sandboxes(source: Opened, plan: ForkPlan) -> tuple[Opened, float]:
     return opened, time.perf_counter() - started
 
 
-def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
+def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, shared_memory: str):
     """One fork job per source worker, all sent before any is waited for."""
     where = {i: k for k, w in enumerate(source.pool.workers) for i in w.indices}
     by_worker: dict[int, list[int]] = {}  # source worker position -> branch indices
@@ -97,6 +113,8 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
         ]
 
         def ask_later(op: int, arg: Any, worker: WorkerHandle = worker) -> Any:
+            if op == P.FORK:  # the worker refuses before it forks: it alone sees its maps
+                arg = {**arg, "shared_memory": shared_memory}
             return source.pool.ask_later(worker, op, arg, timeout)
 
         slab_fds = [slabs.slabs[j].region.fd for j in branch_indices]
@@ -106,6 +124,25 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan):
     for branch_indices, clones in zip(by_worker.values(), made, strict=True):
         handles.update(zip(branch_indices, clones, strict=True))
     return [handles[j] for j in range(branch.config.num_envs)]
+
+
+def warn_shared_with_source(workers: list[WorkerHandle], branch_id: str) -> None:
+    """One warning for a branch whose sandboxes report memory or files they share with
+    their source (``missing["shared_with_source"]``, each clone's own report)."""
+    shared = {}
+    for worker in workers:
+        report = worker.info.get("isolation")
+        missing = report.get("missing") if isinstance(report, dict) else None
+        why = missing.get("shared_with_source") if isinstance(missing, dict) else None
+        if isinstance(why, str):
+            shared.setdefault(escape_controls(why[:1000]), []).extend(worker.indices)
+    if shared:
+        logger.warn(
+            f"gym_fork branch {branch_id!r} shares memory with its source: "
+            + "; ".join(f"sub-env(s) {indices}: {why}" for why, indices in shared.items())
+            + ". The branch's writes reach its source. Pass shared_memory='refuse' to "
+            "fork() to refuse such forks"
+        )
 
 
 def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:

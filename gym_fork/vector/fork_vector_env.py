@@ -31,7 +31,7 @@ from gym_fork.worker import protocol as P
 
 from . import provenance
 from .batches import Batches, BatchMode
-from .branching import clone_sandboxes
+from .branching import check_shared_memory_policy, clone_sandboxes, warn_shared_with_source
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
 from .frontend import AsyncState
@@ -375,6 +375,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         indices: Sequence[int] | None = None,
         copies: int = 1,
         reseed: int | Sequence[int | None] | None = None,
+        shared_memory: str = "warn",
     ) -> ForkVectorEnv:
         """Branch running sub-envs: a new ForkVectorEnv continuing from their exact state.
 
@@ -386,7 +387,15 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         clones their own randomness; without it a branch stepped with the source's actions
         replays the source exactly. Branches can be forked again, closed in any order,
         and outlive their source. ``branch_id`` must be new in this lineage tree.
+
+        A fork does not copy an env's MAP_SHARED memory (``mmap.mmap(-1, n)``,
+        multiprocessing's RawArray and Value): a branch keeps sharing it with its source,
+        and its writes change the source's trajectory. ``shared_memory="warn"`` (the
+        default) forks and warns (the branch's ``isolation["missing"]
+        ["shared_with_source"]`` names what is shared); ``"refuse"`` raises
+        ForkUnsafeError, naming it, before any clone is made.
         """
+        check_shared_memory_policy(shared_memory)
         plan = self._plan_fork(branch_id, indices, copies, reseed, held=live_sandboxes())
         source = Opened(
             self.sandboxes,
@@ -396,7 +405,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
             self._obs_in_slab,
             self.observations,
         )
-        opened, elapsed = clone_sandboxes(source, plan)
+        opened, elapsed = clone_sandboxes(source, plan, shared_memory)
         branch = ForkVectorEnv.__new__(ForkVectorEnv)
         branch._open(
             opened,
@@ -413,6 +422,7 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         )
         branch._enforce_isolation(branch.isolation)
         provenance.warn_branch_lost_isolation(self.isolation, branch.isolation, plan.branch_id)
+        warn_shared_with_source(opened.sandboxes.pool.workers, plan.branch_id)
         return branch
 
     # -- close ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -33,7 +34,15 @@ needs_pids_cgroup = pytest.mark.skipif(
 )
 
 
+def _join_own_cgroups_late() -> None:
+    """A clone moves into cgroups of its own as its first step (test_branch_memory.py):
+    an at-fork hook that sleeps first keeps it in its source's pids cgroup meanwhile,
+    where the fan-out meets pids.max."""
+    os.register_at_fork(after_in_child=lambda: time.sleep(0.5))
+
+
 def cartpole() -> gym.Env:
+    _join_own_cgroups_late()
     return gym.make("CartPole-v1")
 
 
@@ -43,6 +52,7 @@ class ThreadedEnv(gym.Wrapper):
     def __init__(self) -> None:
         super().__init__(gym.make("CartPole-v1"))
         threading.Thread(target=threading.Event().wait, daemon=True).start()
+        _join_own_cgroups_late()
 
 
 class ForkHookEnv(gym.Wrapper):

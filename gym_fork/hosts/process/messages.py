@@ -15,8 +15,9 @@ Each travels as a dict ``{"op": OP, field: value, ...}`` in a control-socket fra
    sandbox leased (:class:`Leased` on the lease channel, from the warm parent to the
    controller), controller -> idle sandbox: the same :class:`Assign`.
 4. controller -> worker, on its side socket (``host.py`` / ``sandbox.py``):
-   :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` per clone) goes with the ring's FORK request,
-   answered :class:`ClonesForked` (+ pidfds) before the FORK reply.
+   :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` and its cgroups' fds per clone) goes with the
+   ring's FORK request, answered :class:`ClonesForked` (+ pidfds) before the FORK reply
+   (none if the FORK is refused: its reply says why).
 
 A warm parent and a worker run env code: what they send is untrusted. Each message is
 received with the types expected at that point and checked by the typed-message layer
@@ -227,14 +228,22 @@ class Assign(Message):
 
 @dataclass(frozen=True)
 class CloneFds(Message):
-    """Controller: the fds of ``clones`` clones (``FDS_PER_SANDBOX`` each, in the order
-    of the FORK request that follows on the ring)."""
+    """Controller: the fds of ``clones`` clones (``FDS_PER_SANDBOX`` each, then one per
+    entry of ``cgroups``, in the order of the FORK request that follows on the ring).
+    ``cgroups``: the controllers of each cgroup.procs fd a clone gets (its own groups,
+    gym_fork/system/cgroups.py); ``cgroup_errors``: controller -> why a clone has no
+    group of its own under it."""
 
     OP = "clone-fds"
     clones: int
+    cgroups: list[list[str]] = field(default_factory=list)
+    cgroup_errors: dict[str, str] = field(default_factory=dict)
+
+    def fds_per_clone(self) -> int:
+        return FDS_PER_SANDBOX + len(self.cgroups)
 
     def fd_count(self) -> int:
-        return FDS_PER_SANDBOX * self.clones
+        return self.fds_per_clone() * self.clones
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 import gymnasium as gym
 
 from gym_fork.hosts.process import messages as M
+from gym_fork.system import cgroups
 from gym_fork.system.children import read_until_closed
 from gym_fork.system.fan_out import Forked, fork_all
 from gym_fork.system.isolation import (
@@ -110,9 +111,9 @@ class ProcessWorker(Worker):
     def extra_handlers(self):
         return {P.FORK: self._guarded(self.fork)}
 
-    def fork(self, arg: dict[str, Any]) -> list[int]:
+    def fork(self, arg: dict[str, Any]) -> list[int] | dict[str, list[str]]:
         """Clone sub-envs of this worker into new sandboxes (:func:`fork_clones`); the
-        fds arrive on the side socket. Returns the clones' pids."""
+        fds arrive on the side socket. Returns the clones' pids (or why it refused)."""
         return fork_clones(self, arg)
 
     def on_close(self) -> dict[str, int] | None:
@@ -235,7 +236,7 @@ class _Clone:
     branch_index: int
     seed: int | None
     name: str
-    fds: tuple[int, ...]  # slab, channel, side socket, stdout, stderr
+    fds: tuple[int, ...]  # slab, channel, side socket, stdout, stderr, its cgroups' procs
     others: tuple[tuple[int, int], ...] = ()  # [lo, hi) runs of the other clones' fds
 
 
@@ -252,14 +253,17 @@ def _runs_without(fds: list[int], keep: tuple[int, ...]) -> tuple[tuple[int, int
     return tuple(runs)
 
 
-def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
+def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[str, list[str]]:
     """Serve a FORK: ``arg["clones"]`` lists ``[source_index, branch_index, seed,
-    name]``; the fds (``FDS_PER_SANDBOX`` per clone, its own slab first) arrive on the
-    worker's side socket. Returns the clones' pids, in order."""
+    name]``; the fds (``FDS_PER_SANDBOX`` per clone, its own slab first, then its
+    cgroups') arrive on the worker's side socket. Returns the clones' pids, in order;
+    with ``arg["shared_memory"] == "refuse"``, {"shared_with_source": names, "envs":
+    class names} instead, before any clone is made, if they would share memory or files
+    with this worker."""
     clones = arg["clones"]
     handed, fds = M.receive(worker.sock, M.CloneFds)
     try:
-        per = M.FDS_PER_SANDBOX
+        per = handed.fds_per_clone()
         if handed.clones != len(clones):
             raise RuntimeError(f"fork: fds for {handed.clones} clones, {len(clones)} asked")
         plan = []
@@ -272,11 +276,16 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int]:
             clone.others = _runs_without(fds, clone.fds)
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
-        before_forking_clones(worker.scratch, worker.tree_isolation)
+        shared = before_forking_clones(worker.scratch, worker.tree_isolation)
+        if shared and arg.get("shared_memory") == "refuse":
+            envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
+            return {"shared_with_source": shared, "envs": envs}
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
         commit = os.pipe()
         try:
-            made = _fork_siblings(worker, plan, arg["num_envs"], arg["ring_capacity"], commit)
+            made = _fork_siblings(
+                worker, plan, arg["num_envs"], arg["ring_capacity"], commit, handed
+            )
             try:
                 watches = [made.watches[k] for k in range(len(plan))]
                 pids = [watch.pid for watch in watches]
@@ -309,6 +318,7 @@ class _FanOut:
     capacity: int
     crowded: bool  # more clones than cores
     snapshot: int  # the write end each clone keeps until it has copied the source's files
+    handed: M.CloneFds  # what came with the clones' fds (what their cgroup fds are)
     # -1: clones are siblings (fork_sibling). Else the read end of the gate of the
     # double fork (a threaded source): clones block on it until every helper (its only
     # writers) is gone, i.e. until they are orphans about to be adopted.
@@ -322,7 +332,12 @@ class _FanOut:
 
 
 def _fork_siblings(
-    worker, plan: list[_Clone], num_envs: int, capacity: int, commit: tuple[int, int]
+    worker,
+    plan: list[_Clone],
+    num_envs: int,
+    capacity: int,
+    commit: tuple[int, int],
+    handed: M.CloneFds,
 ) -> Forked:
     """Fork every clone of ``plan`` into a child of the warm parent; returns them once
     every clone has its snapshot of this worker's /tmp and /dev/shm. If any cannot be
@@ -338,7 +353,7 @@ def _fork_siblings(
     read_end, write_end = os.pipe()
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT
     cores = len(os.sched_getaffinity(0)) or 1
-    fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end)
+    fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end, handed)
     fan.commit, fan.deadline = commit[0], deadline + COMMIT_GRACE
     gate_write = -1
     if has_threads() or not can_fork_sibling():
@@ -393,9 +408,18 @@ def _release_source(worker: ProcessWorker) -> None:
 
 def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> NoReturn:
     worker, snapshot = fan.worker, fan.snapshot
-    slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds
+    slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds[: M.FDS_PER_SANDBOX]
 
     def body() -> None:
+        handed = fan.handed
+        if handed.cgroups or handed.cgroup_errors:  # first: its pages are its own from here
+            limits = worker.isolation_config.limits
+            cgroups.join_at_fork(
+                list(clone.fds[M.FDS_PER_SANDBOX :]),
+                handed.cgroups,
+                handed.cgroup_errors,
+                {"memory_bytes": limits.memory_bytes, "processes": limits.processes},
+            )
         if fan.gate < 0:  # born a child of the warm parent: its death is ours from now on
             die_with_parent(worker.warm_parent)
         redirect_output(out_fd, err_fd)
