@@ -61,7 +61,7 @@ def join(warm_parent: int, memory_bytes: int | None, processes: int | None) -> d
     for controller, value, knob in wanted:
         if value is None:
             continue
-        root = controller_root(controller)
+        root = controller_root(controller) or _delegated_root(controller, warm_parent)
         if root is None:
             errors[controller] = f"no writable {controller} cgroup controller"
             continue
@@ -274,3 +274,26 @@ def sweep_stale() -> None:
 def leftover_groups() -> set[str]:
     """Every gym_fork group on this host (for leak checks)."""
     return {g for root in _roots() for g in glob.glob(os.path.join(root, f"{PREFIX}*"))}
+
+
+def _delegated_root(controller: str, warm_parent: int) -> str | None:
+    """``controller``'s hierarchy where only this tree's group is ours (:func:`delegate`:
+    a warm parent in a user namespace), or None."""
+    root = V1 if _v2() else f"{V1}/{controller}"
+    tree = os.path.join(root, f"{PREFIX}{warm_parent}")
+    return root if os.path.isdir(tree) and os.access(tree, os.W_OK) else None
+
+
+def delegate(warm_parent: int, uid: int) -> None:
+    """Create this tree's groups and hand them to ``uid`` (a warm parent that runs in a
+    user namespace as that uid makes and limits its sandboxes' groups in them): the
+    directories and the files a move into or below them writes. Raises nothing: a group
+    it cannot make is reported by :func:`join` in the sandbox."""
+    for root in _roots():
+        tree = os.path.join(root, f"{PREFIX}{warm_parent}")
+        with contextlib.suppress(OSError):
+            os.makedirs(tree, exist_ok=True)
+            os.chown(tree, uid, uid)
+            for name in ("cgroup.procs", "tasks", "cgroup.subtree_control"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.chown(os.path.join(tree, name), uid, uid)

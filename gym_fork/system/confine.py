@@ -432,6 +432,14 @@ def enter_landlock_domain() -> str:
     return f"scoped (ABI {abi}: ptrace, /proc, signals, abstract sockets)"
 
 
+def replan_capabilities() -> None:
+    """In a process that has just entered a user namespace of its own (every capability
+    there, the host's bounding set or not): the capabilities its sandboxes drop are
+    read again from its sets now, not taken from the plan it was forked with."""
+    global _capability_plan
+    _capability_plan = _plan_capabilities()
+
+
 def inherited() -> bool:
     """True in a process forked from a confined sandbox (a clone): it is confined already."""
     return _seccomp_installed > 0 or _dropped

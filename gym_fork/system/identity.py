@@ -132,8 +132,14 @@ def become(uid: int, groups: Iterable[int] = ()) -> None:
     _call(_libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
     os.setgroups(list(groups))
     os.setresgid(uid, uid, uid)
+    parent = os.getppid()
     os.setresuid(uid, uid, uid)
     _call(_libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
+    # A change of uid clears the parent-death signal: armed again (SIGKILL, as for every
+    # sandbox), unless the parent is already gone.
+    _call(_libc.prctl(1, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:
+        os._exit(70)
     # A uid change empties the effective set: raise it back from the permitted set, for
     # the capability drop (dropping from the bounding set needs CAP_SETPCAP in force).
     header = _CapHeader(_CAP_VERSION_3, 0)
@@ -177,3 +183,14 @@ def _mount_points() -> list[str]:
     with open("/proc/self/mountinfo") as f:
         # Field 5 is the mount point (octal escapes for spaces: fine for a prefix test).
         return [line.split()[4] for line in f]
+
+
+def map_user_namespace(pid: int, uid: int) -> None:
+    """From outside (a root process): map uid and gid 0 of ``pid``'s new user namespace
+    to host ``uid``, so that it is that uid on the host and root only in there."""
+    for name in ("uid_map", "gid_map"):
+        fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, f"0 {uid} 1\n".encode())
+        finally:
+            os.close(fd)

@@ -66,8 +66,9 @@ class SandboxLimits:
     an allocation beyond it fails inside the env (numpy raises MemoryError), reported as
     that sub-env's error; where a memory cgroup is writable it also caps the memory the
     sandbox adds (the OOM killer then ends it). ``cpu_seconds`` (RLIMIT_CPU) kills a
-    sandbox with SIGXCPU. ``open_files`` is RLIMIT_NOFILE. ``processes`` is RLIMIT_NPROC
-    (per user, not enforced for root) and, where available, the pids cgroup's pids.max.
+    sandbox with SIGXCPU. ``open_files`` is RLIMIT_NOFILE. ``processes`` is the pids
+    cgroup's pids.max, per sandbox (RLIMIT_NPROC would count every process of the uid
+    a tree's sandboxes share).
     """
 
     memory_bytes: int | None = None
@@ -387,6 +388,9 @@ def _become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | No
     """The last privileged step: become the tree's unprivileged uid (its set-up is done;
     its capabilities stay in force until :func:`_confine` drops them)."""
     uid = tree.tree.get("uid", 0)
+    if tree.tree.get("userns"):
+        achieved.sandbox["uid"] = uid  # root of the tree's user namespace: uid on the host
+        return
     if not uid or os.geteuid() != 0:
         achieved.sandbox["uid"] = os.geteuid()
         return
@@ -408,7 +412,7 @@ def _join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> N
         for name, why in joined.pop("errors").items():
             achieved.missing[f"cgroup_{name}"] = why
         if "processes" in joined:
-            achieved.missing.pop("limit_processes", None)  # pids.max binds root too
+            achieved.missing.pop("limit_processes", None)  # pids.max, per sandbox
         achieved.limits["cgroups"] = joined
 
 
@@ -428,6 +432,10 @@ def _enter_sandbox_namespaces(
             achieved.sandbox["ipc"] = True
         return
     achieved.sandbox.update(mount=True, ipc=True, net=bool(_own_network(config)))
+    if tree.tree.get("userns"):
+        # As for a clone's maps: its own /proc files, for the tree's uid to write (not
+        # dumpable again in _confine, before any env code).
+        linux.prctl(linux.PR_SET_DUMPABLE, 1)
     with contextlib.suppress(OSError):
         _write_text("/proc/self/oom_score_adj", str(SANDBOX_OOM_SCORE_ADJ))
         achieved.sandbox["oom_score_adj"] = SANDBOX_OOM_SCORE_ADJ
@@ -448,7 +456,10 @@ def _enter_sandbox_namespaces(
         try:
             size = config.layer_bytes()
             # Kept open: clones of this sandbox start their /tmp from its writes.
-            _remember_private_writes(ns.overlay_private_layer("/tmp", size))
+            userns = bool(tree.tree.get("userns"))
+            _remember_private_writes(
+                ns.overlay_private_layer("/tmp", size, in_user_namespace=userns)
+            )
             host_view.own_dev_shm(size)
             achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
         except OSError as exc:
@@ -686,7 +697,6 @@ _RLIMITS = {
     "memory_bytes": resource.RLIMIT_DATA,
     "cpu_seconds": resource.RLIMIT_CPU,
     "open_files": resource.RLIMIT_NOFILE,
-    "processes": resource.RLIMIT_NPROC,
 }
 
 
@@ -702,6 +712,8 @@ def apply_limits(limits: SandboxLimits, missing: dict[str, str]) -> dict[str, An
             applied[name] = value
         except (ValueError, OSError) as exc:
             missing[f"limit_{name}"] = str(exc)
-    if limits.processes is not None and os.geteuid() == 0:
-        missing["limit_processes"] = "RLIMIT_NPROC is not enforced for root"
+    if limits.processes is not None:
+        # RLIMIT_NPROC counts every process of the uid (a tree's sandboxes share one):
+        # the pids cgroup is the per-sandbox limit, and clears this where it applies.
+        missing["limit_processes"] = "needs the pids cgroup (RLIMIT_NPROC counts a whole uid)"
     return applied

@@ -276,6 +276,13 @@ _DEFAULT_HINTS = {
     "writable_paths=[...] to ForkVectorEnv for directories an env must write (relative "
     'to your working directory, where sandboxes start: writable_paths=["."] for it), '
     "or private_tmp=False for the host's /tmp.",
+    13: "[gym_fork] sandboxes run env code as an unprivileged uid of their own (EACCES): "
+    "what only its owner (root) may read or write is closed to them. Make it readable "
+    "(or writable) by other users, or pass sandbox_user='root' to ForkVectorEnv.",
+    75: "[gym_fork] sandboxes run env code as an unprivileged uid of their own (EOVERFLOW): "
+    "a directory of the host owned by root cannot be copied into a sandbox's private "
+    "/tmp. Write into a directory the env makes (tempfile.mkdtemp()), pass "
+    "private_tmp=False for the host's /tmp, or sandbox_user='root'.",
     101: "[gym_fork] sandboxes have no network by default (ENETUNREACH): pass network=True.",
     -2: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",
     -3: "[gym_fork] sandboxes have no network by default (no name resolution): pass network=True.",

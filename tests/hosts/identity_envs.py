@@ -65,3 +65,30 @@ class CuriousEnv(gym.Env):
                 break
             self.held.append(fd)
         return len(self.held)
+
+
+def planting_parent_env(site_packages: str, secret: str, report: str):
+    """A from_parent env_fn (it runs in the warm parent, once) that tries what a hostile
+    prototype would: plant a .pth every later interpreter runs, read an owner-only
+    file; it writes what happened to ``report`` (a file the test made writable)."""
+
+    def make() -> gym.Env:
+        outcomes = []
+        for path in (os.path.join(site_packages, "gym_fork_planted.pth"), "/etc/gym_fork_planted"):
+            try:
+                with open(path, "w") as f:
+                    f.write("import os\n")
+                outcomes.append("written")
+            except OSError as exc:
+                outcomes.append(errno.errorcode.get(exc.errno or 0, str(exc)))
+        try:
+            with open(secret) as f:
+                outcomes.append("read: " + f.read())
+        except OSError as exc:
+            outcomes.append(errno.errorcode.get(exc.errno or 0, str(exc)))
+        outcomes.append(str(os.geteuid()))
+        with open(report, "w") as f:
+            f.write(" ".join(outcomes))
+        return CuriousEnv()
+
+    return make

@@ -170,7 +170,10 @@ def test_the_report_says_pid_capabilities_and_seccomp_are_achieved(envs):
     assert report["proc"] == "the tree's own"
     # An unprivileged uid keeps nothing (a clone maps it into its user namespace without
     # CAP_SETFCAP); a sandbox left as root keeps CAP_SETFCAP alone, for the same mapping.
-    unprivileged = "identity" not in report["missing"]
+    # CAP_SETFCAP is kept where the sandbox is root of its user namespace (the tree's, or
+    # the host's): a clone needs it to map that uid 0 into its own. An unprivileged uid
+    # of the host keeps nothing (it maps itself without it).
+    unprivileged = report["uid"] != 0 and not report["user_namespace"]
     kept = "0000000000000000" if unprivileged else "0000000080000000"
     assert report["capabilities"] == ("dropped" if unprivileged else "dropped, but CAP_SETFCAP")
     assert report["seccomp"].startswith("on (") and "capabilities" not in report["missing"]

@@ -6,17 +6,21 @@ kernel quotas."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
 from gym_fork import ForkVectorEnv, IsolationMissing
 from gym_fork.system import identity
-from tests.hosts.identity_envs import CuriousEnv
+from tests.hosts.identity_envs import CuriousEnv, planting_parent_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (sandboxes drop from it)")
 
@@ -169,3 +173,34 @@ def test_the_controllers_environment_is_scrubbed_as_a_fresh_process_starts_it(kw
         # never holds what os.environ does not.
         assert seen[name][0] == (name in passed), (name, seen)
         assert not seen[name][1] or seen[name][0], (name, seen)
+
+
+def test_from_parents_env_fn_runs_as_the_trees_uid_on_a_host_it_cannot_write(secrets):
+    """The prototype env is built in the warm parent: as the tree's uid (root of the
+    tree's own user namespace only), not as the host's root with every capability."""
+    import sysconfig
+
+    key, _, _ = secrets
+    site_packages = sysconfig.get_paths()["purelib"]
+    # Outside /tmp (the warm parent's /tmp is the tree's own layer): a world-writable
+    # directory of the host, which an unprivileged uid may write.
+    outside = tempfile.mkdtemp(prefix="gym_fork-report-", dir="/var/tmp")
+    os.chmod(outside, 0o1777)
+    report = pathlib.Path(outside) / "report"
+    make = planting_parent_env(site_packages, str(key), str(report))
+    envs = ForkVectorEnv.from_parent(make, 2, seed=0, lineage_log=False)
+    try:
+        planted, etc, secret, euid = report.read_text().split(" ", 3)
+        assert planted in ("EACCES", "EROFS") and etc in ("EACCES", "EROFS"), report.read_text()
+        assert not os.path.exists(os.path.join(site_packages, "gym_fork_planted.pth"))
+        assert secret == "EACCES" and euid == "0"  # root of its namespace, nothing more
+        warm_parent = envs.sandboxes.host.pid
+        assert _host_uids(warm_parent)[0] == envs.isolation["uid"] != 0
+        assert "warm_parent_user_namespace" not in envs.isolation["missing"]
+        envs.reset(seed=1)
+        assert {_host_uids(pid)[0] for pid in envs.worker_pids} == {envs.isolation["uid"]}
+    finally:
+        envs.close()
+        shutil.rmtree(outside, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # planted where the boundary failed
+            os.unlink(os.path.join(site_packages, "gym_fork_planted.pth"))
