@@ -198,7 +198,10 @@ def _clone_hierarchies(
 
 
 def join_at_fork(
-    fds: list[int], controllers: list[list[str]], errors: dict[str, str], limits: dict[str, int]
+    fds: list[int],
+    controllers: list[list[str]],
+    errors: dict[str, str],
+    limits: dict[str, int | None],
 ) -> None:
     """In a clone, its first step: move itself into the groups the controller made for
     it (an fd of each one's ``cgroup.procs``, under ``controllers``), closing the fds;

@@ -109,7 +109,7 @@ def check_pass_env(pass_env: object) -> tuple[str, ...] | bool:
             f"string {pass_env!r}: write [{pass_env!r}]"
         )
     try:
-        names = tuple(pass_env)  # type: ignore[call-overload]
+        names: tuple[str, ...] = tuple(pass_env)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"`pass_env` must be a list of names or True, got {pass_env!r}") from None
     for name in names:

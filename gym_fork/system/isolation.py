@@ -441,7 +441,7 @@ def _enter_sandbox_namespaces(
         achieved.sandbox["oom_score_adj"] = SANDBOX_OOM_SCORE_ADJ
     achieved.limits = apply_limits(config.limits, achieved.missing)
     _join_cgroups(config, achieved, owner)  # cgroupfs is read-only from here on
-    kept: list[tuple[str, int]] = []
+    kept: host_view.Kept = []
     try:
         sources = host_view.writable_sources(
             not config.private_tmp, config.writable_paths, tree.tree.get("writable_views", 0)

@@ -213,7 +213,7 @@ def _shared_vmas_queried() -> list[tuple[bool, str]] | None:
         return None
     name = ctypes.create_string_buffer(_NAME_BYTES)
     query = _ProcmapQuery()
-    found = []
+    found: list[tuple[bool, str]] = []
     fd = os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC)
     try:
         while True:

@@ -129,7 +129,7 @@ def _fork_workers(source: Sandboxes, branch: Sandboxes, plan: ForkPlan, shared_m
 def warn_shared_with_source(workers: list[WorkerHandle], branch_id: str) -> None:
     """One warning for a branch whose sandboxes report memory or files they share with
     their source (``missing["shared_with_source"]``, each clone's own report)."""
-    shared = {}
+    shared: dict[str, Any] = {}
     for worker in workers:
         report = worker.info.get("isolation")
         missing = report.get("missing") if isinstance(report, dict) else None
