@@ -94,7 +94,7 @@ _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _PR_SET_DUMPABLE = 4
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
-_CAP_VERSION_3 = 0x20080522
+CAP_VERSION_3 = 0x20080522
 # libseccomp attributes that would make its load pass flags to seccomp(2) (TSYNC, LOG,
 # SSB): the precompiled program is only loaded by hand while all are off.
 _SCMP_FLTATR_FLAGS = (4, 6, 7)
@@ -102,11 +102,11 @@ _SCMP_FLTATR_FLAGS = (4, 6, 7)
 _CAPABILITY_LINE = re.compile(rb"^Cap(\w+):\s*([0-9a-fA-F]+)", re.MULTILINE)
 
 
-class _CapHeader(ctypes.Structure):
+class CapHeader(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
 
-class _CapData(ctypes.Structure):
+class CapData(ctypes.Structure):
     _fields_ = [
         ("effective", ctypes.c_uint32),
         ("permitted", ctypes.c_uint32),
@@ -134,7 +134,7 @@ _prepared: tuple[Any, int] | None = None  # built once, in the warm parent
 # made in the warm parent: a fork has the warm parent's capabilities.
 _program: tuple[ctypes.Array, _SockFprog] | None = None
 _capability_plan: tuple[tuple[int, ...], bool] | None = None
-_capset_args: tuple[_CapHeader, ctypes.Array] | None = None
+_capset_args: tuple[CapHeader, ctypes.Array] | None = None
 
 
 class ConfinementError(OSError):
@@ -225,9 +225,9 @@ def drop_capabilities(keep: tuple[int, ...] = ()) -> None:
             for cap in bounding:
                 if not keep_mask >> cap & 1:
                     _check_prctl(_PR_CAPBSET_DROP, cap)
-            header, data = _capset_args or (_CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)())
+            header, data = _capset_args or (CapHeader(CAP_VERSION_3, 0), (CapData * 2)())
             if keep_mask:
-                data = (_CapData * 2)()
+                data = (CapData * 2)()
                 for word in (0, 1):
                     bits = keep_mask >> (32 * word) & 0xFFFFFFFF
                     data[word].effective = data[word].permitted = bits
@@ -259,7 +259,7 @@ def prepare_seccomp() -> tuple[Any, int]:
     if _capability_plan is None:
         try:
             _capability_plan = _plan_capabilities()
-            _capset_args = (_CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)())
+            _capset_args = (CapHeader(CAP_VERSION_3, 0), (CapData * 2)())
         except (OSError, ValueError):
             _capability_plan = None  # each sandbox reads its own sets
     try:

@@ -29,25 +29,13 @@ import stat
 import sys
 from collections.abc import Iterable
 
+from gym_fork.system import confine
+
 SANDBOX_UID_BASE = 0x5F000000  # 1593835520: far above any uid a distribution hands out
 SANDBOX_UID_RANGE = 1 << 20
 CHOICES = ("auto", "unprivileged", "root")
 
 _PR_SET_KEEPCAPS = 8
-_CAP_VERSION_3 = 0x20080522
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [
-        ("effective", ctypes.c_uint32),
-        ("permitted", ctypes.c_uint32),
-        ("inheritable", ctypes.c_uint32),
-    ]
-
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -142,8 +130,8 @@ def become(uid: int, groups: Iterable[int] = ()) -> None:
         os._exit(70)
     # A uid change empties the effective set: raise it back from the permitted set, for
     # the capability drop (dropping from the bounding set needs CAP_SETPCAP in force).
-    header = _CapHeader(_CAP_VERSION_3, 0)
-    data = (_CapData * 2)()
+    header = confine.CapHeader(confine.CAP_VERSION_3, 0)
+    data = (confine.CapData * 2)()
     _call(_libc.capget(ctypes.byref(header), data), "capget")
     for word in data:
         word.effective = word.permitted
