@@ -62,8 +62,9 @@ class Channel:
         self.poll = poll
         self.max_message = max_message
         # False (an untrusted peer): pickles in a record are not loaded; ``refused``
-        # lists the sizes of those in the last record, for the reader to refuse it.
-        self.allow_pickle = True
+        # lists the sizes of those in the last record, for the reader to refuse it. The
+        # controller's end starts untrusted (its owner lifts it for trusted=True envs).
+        self.allow_pickle = not controller
         self.refused: list[int] = []
         # The values a record from a sandbox may decode to (see gym_fork.transport.codec);
         # a worker reads the controller's records unbounded.

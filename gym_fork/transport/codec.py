@@ -15,6 +15,12 @@ of Python objects at most, dicts 73, small strs 60, empty numpy arrays 122) rais
 :class:`DecodeTooBig` before any of it is built. A str, bytes or numpy array is one value
 whatever its size: raw payloads are bounded by the wire bound alone. Records no longer
 than the bound in bytes (every step reply) cannot hold more values and skip the check.
+
+Whatever a record's length, decoding it cannot be driven by its content: ext values
+(tuples, Graphs, plain-data values) nest at most :data:`MAX_EXT_DEPTH` deep, since each
+level is a msgpack call on the C stack, and an untrusted record holds at most
+:data:`MAX_CHOSEN_HASH_KEYS` dict keys whose hash its sender can choose, since a dict of
+n colliding keys takes n**2 time under the GIL. Both raise :class:`DecodeTooBig`.
 """
 
 from __future__ import annotations
@@ -112,18 +118,6 @@ def _default(obj: Any) -> msgpack.ExtType:
         ) from exc
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == EXT_TUPLE:
-        return tuple(unpack(data))
-    if code == EXT_GRAPH:
-        return GraphInstance(*unpack(data, allow_pickle=False))
-    if code == EXT_PICKLE:
-        return cloudpickle.loads(data)
-    if code == EXT_PLAIN:
-        return value_from_data(unpack(data), trusted=True)
-    return _plain_ext(code, data)
-
-
 def _plain_ext(code: int, data: bytes) -> Any:
     """An ext value that holds no other values: an array, a numpy scalar, unknown."""
     if code == EXT_NDARRAY:
@@ -152,71 +146,139 @@ class RefusedPickle:
         return f"<refused pickle of {self.nbytes} bytes>"
 
 
-# Tuple keys one record from an untrusted sandbox may hold. Tuples of ints can be built
-# to share one hash: a dict of n of them takes n**2 time to build (8000 such keys: 0.7 s
-# holding the GIL). This many keep a record under ~0.1 s; tuples as values are not
-# limited (a list of 200k tuples is an honest reply).
-MAX_TUPLE_KEYS = 2048
+# Dict keys one record from an untrusted sandbox may hold beyond the kinds whose hashes
+# it cannot choose (str and bytes hash with a per-process key, ints and floats collide
+# only a dozen at a time). Tuples, numpy scalars (complex ones above all), Graph values
+# and ext values can be built to share one hash: a dict of n of them takes n**2 time to
+# build, under the GIL, deaf to every deadline (8000 tuple keys: 0.7 s; a 0.9 MiB reply of
+# complex keys held step() 10-15 s). This many keep a record under ~0.1 s; as values they
+# are not limited (a list of 200k tuples is an honest reply).
+MAX_CHOSEN_HASH_KEYS = 2048
+_FREE_KEYS = frozenset({str, int, bytes, bool, float, type(None)})
+# Ext values nested in ext values (a tuple in a tuple in a Graph...). Each level is a
+# msgpack call inside the previous one's hook, on the C stack: ~200 of them in a 1 KiB
+# reply segfaulted the controller. Plain lists and maps nest in msgpack's own stack,
+# which refuses past 1024 levels without recursing.
+MAX_EXT_DEPTH = 16
+# ext values whose payload is a msgpack record, and those that could be dict keys (an
+# array cannot: unhashable; a refused pickle hashes by identity).
+_NESTED_EXT = (EXT_TUPLE, EXT_GRAPH, EXT_PLAIN)
+_PLAIN_EXT_CODES = (EXT_NDARRAY, EXT_PICKLE)
 
 
-class _TupleSeen(Exception):
-    """A first tuple in a record decoded without looking at its maps' keys."""
+class _MayBeKey(Exception):
+    """More values that could be chosen-hash dict keys than the budget, met in a first
+    pass that did not look at keys: decode again from the start, looking."""
 
 
-class _UntrustedDecoder:
-    """The hooks of one untrusted record: pickles refused, tuple keys counted."""
+class _Nests(Exception):
+    """An ext value holding a msgpack record, met by the flat decoder of a trusted peer:
+    decode again with a :class:`_Decoder` (which bounds the depth)."""
 
-    __slots__ = ("refused", "tuple_keys", "watching")
 
-    def __init__(self, refused: list[int]) -> None:
-        self.refused = refused
-        self.watching = False  # maps go through pairs() (after a first tuple)
-        self.tuple_keys = 0
+def _flat_ext(code: int, data: bytes) -> Any:
+    """The ext hook of a trusted record's first pass: values that hold no others."""
+    if code == EXT_PICKLE:
+        return cloudpickle.loads(data)
+    if code in _NESTED_EXT:
+        raise _Nests
+    return _plain_ext(code, data)
 
-    def unpack(self, data: bytes) -> Any:
-        if not self.watching:
-            # Dicts as msgpack builds them, until the first tuple: then from the start
-            # again with every map's keys looked at (records without tuples pay nothing).
-            mark = len(self.refused)
-            try:
-                return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False)
-            except _TupleSeen:
-                del self.refused[mark:]
-                self.watching = True
-        return msgpack.unpackb(
-            data,
-            ext_hook=self.ext,
-            object_pairs_hook=self.pairs,
-            raw=False,
-            strict_map_key=False,
-        )
+
+def _chosen_keys_error() -> DecodeTooBig:
+    return DecodeTooBig(
+        f"a record holds more than {MAX_CHOSEN_HASH_KEYS} dict keys that are not str, int, "
+        "bytes, float, bool or None (tuples, numpy scalars...), the most one record from an "
+        "untrusted sandbox may hold: such keys can be built to share one hash, which makes "
+        "decoding take quadratic time. Use str keys, or pass trusted=True to lift it"
+    )
+
+
+class _Decoder:
+    """Decodes one record, its ext values nested at most :data:`MAX_EXT_DEPTH` deep.
+    From an untrusted sandbox (``refused`` given): pickles refused (their sizes appended
+    to ``refused``), chosen-hash dict keys counted.
+
+    Records holding fewer ext values that could be keys than the budget pay nothing for
+    the count (even if all of them are keys, they fit): they decode as msgpack builds
+    them; one more starts the decode again with every map's keys looked at."""
+
+    __slots__ = ("chosen_keys", "depth", "refused", "watching")
+
+    def __init__(self, refused: list[int] | None) -> None:
+        self.refused = refused  # None: a trusted peer (pickles loaded, keys free)
+        self.watching = False  # maps go through pairs()
+        self.chosen_keys = 0
+        self.depth = 0
+
+    def decode(self, data) -> Any:
+        refused = self.refused
+        if refused is None or self.watching:
+            return self._unpackb(data)
+        mark = len(refused)
+        try:
+            return self._unpackb(data)
+        except _MayBeKey:
+            del refused[mark:]
+            self.watching, self.depth, self.chosen_keys = True, 0, 0
+        return self._unpackb(data)
+
+    def _unpackb(self, data) -> Any:
+        if self.watching:
+            return msgpack.unpackb(
+                data,
+                ext_hook=self.ext,
+                object_pairs_hook=self.pairs,
+                raw=False,
+                strict_map_key=False,
+            )
+        return msgpack.unpackb(data, ext_hook=self.ext, raw=False, strict_map_key=False)
+
+    def _nested(self, data: bytes) -> Any:
+        if self.depth >= MAX_EXT_DEPTH:
+            raise DecodeTooBig(
+                f"a record nests tuples or other ext values more than {MAX_EXT_DEPTH} deep, "
+                "the most a record from an untrusted sandbox may (each level is a "
+                "decoder call on the controller's C stack); nest lists or dicts instead"
+            )
+        self.depth += 1
+        try:
+            return self._unpackb(data)
+        finally:
+            self.depth -= 1
 
     def pairs(self, pairs: list) -> dict:
-        self.tuple_keys += sum(type(key) is tuple for key, _ in pairs)
-        if self.tuple_keys > MAX_TUPLE_KEYS:
-            raise DecodeTooBig(
-                f"a record holds more than {MAX_TUPLE_KEYS} tuple dict keys, the most one "
-                "record from an untrusted sandbox may hold (tuple keys can be built to "
-                "make decoding take quadratic time); pass trusted=True to lift it"
-            )
+        free = _FREE_KEYS
+        self.chosen_keys += sum(type(key) not in free for key, _ in pairs)
+        if self.chosen_keys > MAX_CHOSEN_HASH_KEYS:
+            raise _chosen_keys_error()
         return dict(pairs)
 
     def ext(self, code: int, data: bytes) -> Any:
         refused = self.refused
         if code == EXT_PICKLE:
+            if refused is None:
+                return cloudpickle.loads(data)
             refused.append(len(data))
             return RefusedPickle(len(data))
+        if refused is not None and not self.watching and code not in _PLAIN_EXT_CODES:
+            # Fewer such values than the budget fit it even if every one is a key.
+            self.chosen_keys += 1
+            if self.chosen_keys > MAX_CHOSEN_HASH_KEYS:
+                raise _MayBeKey
         if code == EXT_TUPLE:
-            if not self.watching:
-                raise _TupleSeen
-            return tuple(self.unpack(data))
+            return tuple(self._nested(data))
+        if code == EXT_GRAPH:
+            return GraphInstance(*self._nested(data))
         if code == EXT_PLAIN:
+            if refused is None:
+                return value_from_data(self._nested(data), trusted=True)
             try:
-                return value_from_data(unpack(data, allow_pickle=False), trusted=False)
+                return value_from_data(self._nested(data), trusted=False)
             except SpaceRefused:  # e.g. a space holding a pickled one: refused as a pickle
                 refused.append(len(data))
                 return RefusedPickle(len(data))
-        return _ext_hook(code, data)
+        return _plain_ext(code, data)
 
 
 # Hot-path records with a fixed shape, encoded without a msgpack call: a request with no
@@ -262,7 +324,6 @@ for _b, _size in {0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}.items():
 _LENGTH_WIDTH = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
 _EXT_VARIABLE = (0xC7, 0xC8, 0xC9)
 _FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
-_NESTED_EXT = (EXT_TUPLE, EXT_GRAPH, EXT_PLAIN)  # ext values whose payload is a msgpack record
 _UINT = {1: struct.Struct(">B").unpack_from, 2: struct.Struct(">H").unpack_from}
 _UINT[4] = struct.Struct(">I").unpack_from
 # msgpack's own stack holds 1024 levels; deeper records never decode.
@@ -367,9 +428,17 @@ def unpack(
 
     ``max_objects`` (a reader of a sandbox: :data:`MAX_OBJECTS`) bounds the values the
     record decodes to: :func:`check_bounds` walks it first, unless it is too short to
-    hold that many (every value takes at least one byte)."""
+    hold that many (every value takes at least one byte).
+
+    Untrusted or not, ext values nest at most :data:`MAX_EXT_DEPTH` deep; untrusted,
+    at most :data:`MAX_CHOSEN_HASH_KEYS` dict keys may be other than str, int, bytes,
+    float, bool or None. A trusted record without tuples or Graphs decodes in one
+    msgpack call (its first pass stops at the first ext value that nests)."""
     if max_objects is not None and len(data) > max_objects:
         check_bounds(data, max_objects)
     if not allow_pickle:
-        return _UntrustedDecoder([] if refused is None else refused).unpack(data)
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        return _Decoder([] if refused is None else refused).decode(data)
+    try:  # most records hold no tuple: as fast as msgpack alone
+        return msgpack.unpackb(data, ext_hook=_flat_ext, raw=False, strict_map_key=False)
+    except _Nests:
+        return _Decoder(None).decode(data)

@@ -143,7 +143,18 @@ def recv_message(
         payload = _recv_exact(sock, length, deadline)
         try:
             # Bounded as a ring record (a sandbox writes on its side socket).
-            message = unpack(payload, max_objects=codec.MAX_OBJECTS)
+            refused: list[int] = []
+            message = unpack(
+                payload, allow_pickle=False, refused=refused, max_objects=codec.MAX_OBJECTS
+            )
+            if refused:  # typed messages carry pickles as bytes fields, loaded by choice
+                raise ControlMessageError(
+                    f"a control message holds a pickled value ({refused[0]} bytes); "
+                    "pickles in control messages are never loaded",
+                    reason="decode",
+                )
+        except ControlMessageError:
+            raise
         except DecodeTooBig as exc:
             raise ControlMessageError(f"a control message: {exc}", reason="too_big") from None
         except Exception as exc:

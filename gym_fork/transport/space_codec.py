@@ -378,4 +378,6 @@ def value_from_data(data: Any, *, trusted: bool) -> Any:
         raise
     except Exception as exc:
         raise SpaceRefused(f"a {kind} value that does not decode: {exc}") from exc
-    raise SpaceRefused(f"not an encoded value: {data!r:.100}")
+    # The type alone: the repr of a value nested ~1000 deep raises RecursionError.
+    what = repr(kind[:40]) if isinstance(kind, str) else type(kind).__name__
+    raise SpaceRefused(f"not an encoded value: a {type(data).__name__} of kind {what}")

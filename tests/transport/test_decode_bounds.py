@@ -282,29 +282,29 @@ def test_a_sandboxed_bomb_is_that_sub_envs_error_and_reset_recovers(trusted):
 
 def test_an_untrusted_record_of_colliding_tuple_keys_is_refused_quickly():
     """Tuples of ints built to share one hash make a dict quadratic to build; an
-    untrusted record may hold at most MAX_TUPLE_KEYS tuple keys (tuple values are free)."""
+    untrusted record may hold at most MAX_CHOSEN_HASH_KEYS tuple keys (tuple values are free)."""
     import time
 
     from gym_fork.transport import codec
 
     # hash((a, b)) collides for many pairs: a brute-force set is not needed, the bound
     # on the count is what is checked (and that decoding stops at once).
-    keys = {(i, -i): 0 for i in range(codec.MAX_TUPLE_KEYS + 1)}
+    keys = {(i, -i): 0 for i in range(codec.MAX_CHOSEN_HASH_KEYS + 1)}
     record = codec.pack({"info": keys})
     started = time.perf_counter()
-    with pytest.raises(codec.DecodeTooBig, match="tuple dict keys"):
+    with pytest.raises(codec.DecodeTooBig, match="dict keys that are not str"):
         codec.unpack(record, allow_pickle=False, refused=[])
     assert time.perf_counter() - started < 5.0
     few = codec.pack({"info": {(i, -i): 0 for i in range(100)}})
     assert len(codec.unpack(few, allow_pickle=False, refused=[])["info"]) == 100
-    values = codec.pack({"info": [(i, -i) for i in range(3 * codec.MAX_TUPLE_KEYS)]})
+    values = codec.pack({"info": [(i, -i) for i in range(3 * codec.MAX_CHOSEN_HASH_KEYS)]})
     assert len(codec.unpack(values, allow_pickle=False, refused=[])["info"]) == 6144
 
 
 def test_too_many_tuple_keys_reach_the_controller_as_too_big():
     from gym_fork.transport import codec
 
-    record = codec.pack({"info": {(i, -i): 0 for i in range(codec.MAX_TUPLE_KEYS + 1)}})
+    record = codec.pack({"info": {(i, -i): 0 for i in range(codec.MAX_CHOSEN_HASH_KEYS + 1)}})
     result, _ = receive(record, trusted=False)
     assert isinstance(result, codec.DecodeTooBig), result
-    assert result.reason == "too_big" and "tuple dict keys" in str(result)
+    assert result.reason == "too_big" and "dict keys that are not str" in str(result)
