@@ -192,7 +192,7 @@ def steps_of(cold_runs: int, clone_runs: int, fan_sizes: Sequence[int], fan_repe
 
 def sandbox_setup(runs: int = 40) -> dict[str, float] | None:
     """Isolation set-up of one new process sandbox, as the warm parent's fork does it:
-    ``enter_sandbox`` + its report in a fork of a prepared CartPole parent inside a tree
+    ``be_born`` + its report in a fork of a prepared CartPole parent inside a tree
     of its own. Medians of wall time (ms), CPU time (ms) and page faults (copy-on-write
     and first touches); None where a tree cannot be made (needs root)."""
     import contextlib
@@ -203,12 +203,8 @@ def sandbox_setup(runs: int = 40) -> dict[str, float] | None:
     import gymnasium as gym
 
     from gym_fork.system import confine
-    from gym_fork.system.isolation import (
-        IsolationConfig,
-        become_tree_init,
-        enter_sandbox,
-        isolate_tree,
-    )
+    from gym_fork.system.birth import Role, be_born
+    from gym_fork.system.isolation import IsolationConfig, become_tree_init, isolate_tree
 
     read, write = os.pipe()
     helper = os.fork()
@@ -236,7 +232,7 @@ def sandbox_setup(runs: int = 40) -> dict[str, float] | None:
                         if pid == 0:
                             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                             cpu, wall = time.process_time(), time.perf_counter()
-                            _, achieved = enter_sandbox(config, tree, os.getppid(), None)
+                            _, achieved = be_born(Role.SPAWNED, config, tree, os.getppid())
                             achieved.report()
                             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults

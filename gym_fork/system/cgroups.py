@@ -257,6 +257,20 @@ def remove_tree(warm_parent: int) -> None:
             os.rmdir(tree)
 
 
+def tree_dirs(warm_parent: int, create: bool) -> list[str]:
+    """This tree's group directories, one per hierarchy (made first if ``create``; those
+    that cannot be are left out)."""
+    dirs = []
+    for root in _roots():
+        tree = os.path.join(root, f"{PREFIX}{warm_parent}")
+        if create:
+            with contextlib.suppress(OSError):
+                os.makedirs(tree, exist_ok=True)
+        if os.path.isdir(tree):
+            dirs.append(tree)
+    return dirs
+
+
 def tree_exists(warm_parent: int) -> bool:
     """Is any group of this warm parent's tree left?"""
     return any(os.path.isdir(os.path.join(r, f"{PREFIX}{warm_parent}")) for r in _roots())

@@ -1,6 +1,6 @@
 """Confinement of a sandbox after its set-up: no capabilities, a seccomp filter.
 
-Applied at the end of :func:`gym_fork.system.isolation.enter_sandbox`, once the sandbox
+Applied at the end of :func:`gym_fork.system.birth.be_born`, once the sandbox
 has made its namespaces, mounts and cgroups (which need privileges). Both layers are
 inherited by every process the sandbox forks (its clones, an env's helpers) and cannot
 be undone from inside: capabilities dropped from the bounding set never come back, and
@@ -84,7 +84,7 @@ TIOCLINUX = 0x541C
 # CAP_SETFCAP (31): needed, when a clone makes its user namespace, for mapping uid 0 in
 # it. Harmless where it is kept: every sandbox has no_new_privs (file capabilities are
 # never gained at exec) and writes only nosuid mounts of its own; kept only when the
-# sandbox shares no writable directory with the host (see isolation.enter_sandbox).
+# sandbox shares no writable directory with the host (see gym_fork/system/birth.py).
 CAP_SETFCAP = 31
 KEPT_FOR_CLONES = (CAP_SETFCAP,)
 

@@ -26,7 +26,7 @@ Two levels, chosen so that the fork path stays fast:
   read-only, /sys with everything): it writes only its /tmp, its /dev/shm and the
   ``writable_paths`` it is given. Its oom_score_adj makes the kernel's OOM killer pick it
   before the controller. Without Landlock's scoping it also gets a network namespace of
-  its own (abstract UNIX sockets; see :func:`_own_network`).
+  its own (abstract UNIX sockets; see :func:`own_network`).
 - Each sandbox is then **confined** (gym_fork/system/confine.py): no capabilities (but
   CAP_SETFCAP, see there), not dumpable, a Landlock domain of its own, and a seccomp
   filter. A **clone** (``fork()`` of
@@ -214,7 +214,7 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
     except OSError as exc:
         achieved.missing["pid"] = f"pid namespace: {exc}"
     with contextlib.suppress(OSError):  # raising it needs no privilege
-        _write_text("/proc/self/oom_score_adj", str(TREE_OOM_SCORE_ADJ))
+        write_text("/proc/self/oom_score_adj", str(TREE_OOM_SCORE_ADJ))
     try:
         host_view.minimal_dev(keep_host_shm=not config.private_tmp)
         achieved.tree["minimal_dev"] = True
@@ -245,6 +245,43 @@ def isolate_tree(config: IsolationConfig, tree_id: int) -> Isolation:
             host_view.bind_tree_tmp_view()
             achieved.tree["tmp_view"] = True
     return achieved
+
+
+def read_only_tree(config: IsolationConfig, tree: Isolation) -> None:
+    """In pid 1 of the tree, still the host's root, before any env code runs in it
+    (``from_parent``'s env_fn and warmup, the env_fns' imports): a mount namespace of
+    its own (the waiter keeps the one it cleans up from) in which every mount is
+    read-only but the tree's /tmp and /dev/shm, the ``writable_paths`` (and the views
+    its sandboxes copy them from) and the tree's own cgroups. Made before the tree's
+    user namespace, the read-only flags are locked there: the warm parent, root in that
+    namespace only, cannot clear them, and its sandboxes' namespaces inherit them."""
+    if not tree.tree.get("mount"):
+        return  # isolate_tree said why
+    views = tree.tree.get("writable_views", 0)
+    sources = host_view.writable_sources(True, config.writable_paths, views)
+    if tree.tree.get("private_tmp"):
+        # Not over the tree's /tmp: a mount below it would be locked in the sandboxes'
+        # namespaces, where the kernel then refuses /tmp as an overlay's lower layer.
+        # There the warm parent writes the tree's /tmp layer, as before.
+        sources = [(t, s) for t, s in sources if (t, s) in host_view.HOST_TMP or not _under_tmp(t)]
+    sources += [
+        (f"{host_view.WRITABLE_VIEW}{i}", f"{host_view.WRITABLE_VIEW}{i}") for i in range(views)
+    ]
+    limited = config.limits.memory_bytes is not None or config.limits.processes is not None
+    sources += [(d, d) for d in cgroups.tree_dirs(tree.tree_id, create=limited)]
+    try:
+        ns.unshare(ns.CLONE_NEWNS)
+        host_view.attach_writable(host_view.read_only_view(sources))
+        tree.tree["read_only_host"] = True
+    except OSError as exc:
+        tree.missing["warm_parent_read_only_host"] = (
+            f"the warm parent sees the host writable where its uid may write (world-"
+            f"writable directories such as /var/tmp) while it runs env code: {exc}"
+        )
+
+
+def _under_tmp(path: str) -> bool:
+    return any(os.path.commonpath([path, top]) == top for top in ("/tmp", "/dev/shm"))
 
 
 def _choose_identity(config: IsolationConfig, achieved: Isolation, namespaced: bool) -> None:
@@ -295,81 +332,7 @@ def become_tree_init(achieved: Isolation) -> None:
         achieved.missing["proc"] = f"own /proc: {exc} (the host's processes stay visible)"
 
 
-# -- sandbox level ---------------------------------------------------------------------
-def enter_sandbox(
-    config: IsolationConfig, tree: Isolation, warm_parent: int, copy_from: str | None
-) -> tuple[str | None, Isolation]:
-    """Isolate, then confine, the calling (just forked) sandbox; returns its scratch dir
-    and report.
-
-    With namespaces the sandbox's /tmp and /dev/shm are its own tmpfs mounts (a copy of
-    its source's for a clone) and the scratch dir is None: nothing on the host to clean.
-    Without (or in a clone that cannot make a user namespace) it gets a private
-    directory as TMPDIR (``copy_from`` is the source's, copied for a clone; None: the
-    source's temp dir).
-    """
-    achieved = Isolation(tree=dict(tree.tree), missing=dict(tree.missing), tree_id=tree.tree_id)
-    owner = tree.tree_id or warm_parent
-    scratch = None
-    inherited = confine.inherited()
-    namespaced = config.namespaces and bool(tree.tree.get("mount"))
-    if inherited:
-        copy_from = _clone_source(copy_from, tree)
-        if copy_from == _EMPTY_CLONE_SOURCE:
-            copy_from = None  # nothing to copy: the source found it empty before the fork
-        if namespaced:
-            _enter_clone_namespaces(config, tree, achieved)
-    elif namespaced:
-        _enter_sandbox_namespaces(config, tree, achieved, owner)
-    else:
-        achieved.missing["read_only_host"] = "no mount namespace: the host's files as they are"
-    if not config.private_tmp:
-        pass  # the caller wants the host's /tmp: nothing private, nothing to copy
-    elif not achieved.sandbox.get("private_tmp"):
-        scratch = _new_scratch_dir(f"gym_fork-scratch-{owner}-{os.getpid()}-")
-        _copy_tree(copy_from, scratch)
-        os.environ["TMPDIR"] = scratch
-        tempfile.tempdir = scratch
-        achieved.missing.setdefault(
-            "private_tmp", "no private mounts: TMPDIR points to a private directory instead"
-        )
-    else:
-        os.environ["TMPDIR"] = "/tmp"
-        tempfile.tempdir = "/tmp"
-    try:
-        linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-        achieved.sandbox["no_new_privs"] = True
-    except OSError as exc:
-        achieved.missing["no_new_privs"] = str(exc)
-    if inherited:
-        # Its rlimits are its source's (set again: the report says so); its cgroups are
-        # those the controller made for it, joined before anything else (sandbox.py).
-        achieved.limits = apply_limits(config.limits, achieved.missing)
-        if config.limits.memory_bytes is not None or config.limits.processes is not None:
-            joined = cgroups.joined_at_fork()
-            errors = joined.pop("errors")
-            if errors:
-                achieved.missing["cgroups"] = (
-                    f"a clone stays in its source's {' and '.join(sorted(errors))} "
-                    f"cgroup(s) ({'; '.join(errors[k] for k in sorted(errors))}): the cgroup "
-                    "limits bind source and clones together"
-                )
-            if "processes" in joined:
-                achieved.missing.pop("limit_processes", None)  # pids.max binds root too
-            # Its own: past memory_bytes the OOM killer ends this branch, not its source.
-            achieved.limits["cgroups"] = {**joined, "own_group": bool(joined)}
-        if "shared_with_source" not in achieved.missing:  # no namespaces of its own
-            _report_shared_with_source(achieved, _CLONE_INHERITS[2])
-    elif not achieved.sandbox.get("mount"):
-        # (with a mount namespace: applied before the read-only view)
-        achieved.limits = apply_limits(config.limits, achieved.missing)
-        _join_cgroups(config, achieved, owner)
-    if not inherited:
-        _become_sandbox_user(tree, achieved, scratch)
-    _confine(config, achieved)
-    return scratch, achieved
-
-
+# -- sandbox level: the mechanisms (gym_fork/system/birth.py runs them in order) ----
 def _gpu_devices() -> list[str]:
     """The GPU devices of this sandbox's /dev (those minimal_dev gives a tree)."""
     try:
@@ -384,9 +347,9 @@ def _gpu_devices() -> list[str]:
     return paths
 
 
-def _become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | None) -> None:
+def become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | None) -> None:
     """The last privileged step: become the tree's unprivileged uid (its set-up is done;
-    its capabilities stay in force until :func:`_confine` drops them)."""
+    its capabilities stay in force until :func:`confine_sandbox` drops them)."""
     uid = tree.tree.get("uid", 0)
     if tree.tree.get("userns"):
         achieved.sandbox["uid"] = uid  # root of the tree's user namespace: uid on the host
@@ -405,7 +368,7 @@ def _become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | No
         achieved.missing["identity"] = f"env code runs as the host's root: {exc}"
 
 
-def _join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> None:
+def join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> None:
     limits = config.limits
     if limits.memory_bytes is not None or limits.processes is not None:
         joined = cgroups.join(owner, limits.memory_bytes, limits.processes)
@@ -416,61 +379,17 @@ def _join_cgroups(config: IsolationConfig, achieved: Isolation, owner: int) -> N
         achieved.limits["cgroups"] = joined
 
 
-def _enter_sandbox_namespaces(
-    config: IsolationConfig, tree: Isolation, achieved: Isolation, owner: int
-) -> None:
-    """A sandbox forked by the warm parent (privileged still): its own mount, IPC and
-    (``network=False``) network namespaces, cgroups, a read-only view of the host, then
-    its own /tmp and /dev/shm."""
-    flags = ns.CLONE_NEWNS | ns.CLONE_NEWIPC | _own_network(config)
-    try:
-        ns.unshare(flags)
-    except OSError as exc:
-        achieved.missing["sandbox_mount"] = f"per-sandbox mount/ipc namespace: {exc}"
-        with contextlib.suppress(OSError):  # still give the sandbox its own IPC namespace
-            ns.unshare(ns.CLONE_NEWIPC)
-            achieved.sandbox["ipc"] = True
-        return
-    achieved.sandbox.update(mount=True, ipc=True, net=bool(_own_network(config)))
-    if tree.tree.get("userns"):
-        # As for a clone's maps: its own /proc files, for the tree's uid to write (not
-        # dumpable again in _confine, before any env code).
-        linux.prctl(linux.PR_SET_DUMPABLE, 1)
-    with contextlib.suppress(OSError):
-        _write_text("/proc/self/oom_score_adj", str(SANDBOX_OOM_SCORE_ADJ))
-        achieved.sandbox["oom_score_adj"] = SANDBOX_OOM_SCORE_ADJ
-    achieved.limits = apply_limits(config.limits, achieved.missing)
-    _join_cgroups(config, achieved, owner)  # cgroupfs is read-only from here on
-    kept: host_view.Kept = []
-    try:
-        sources = host_view.writable_sources(
-            not config.private_tmp, config.writable_paths, tree.tree.get("writable_views", 0)
-        )
-        kept = host_view.read_only_view(sources)
-        # Claimed here; the controller measures it (gym_fork/system/measure.py).
-        achieved.sandbox["read_only_host"] = True
-        achieved.sandbox["writable"] = list(config.shared_writable())
-    except OSError as exc:
-        achieved.missing["read_only_host"] = f"read-only view of the host: {exc}"
-    if tree.tree.get("private_tmp"):
-        try:
-            size = config.layer_bytes()
-            # Kept open: clones of this sandbox start their /tmp from its writes.
-            userns = bool(tree.tree.get("userns"))
-            _remember_private_writes(
-                ns.overlay_private_layer("/tmp", size, in_user_namespace=userns)
-            )
-            host_view.own_dev_shm(size)
-            achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
-        except OSError as exc:
-            achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
-    try:
-        host_view.attach_writable(kept)
-    except OSError as exc:
-        achieved.missing["writable_paths"] = f"a writable directory could not be bound: {exc}"
+def own_private_tmp(config: IsolationConfig, in_user_namespace: bool) -> None:
+    """A fresh sandbox's own /tmp (an overlay on the tree's, its writes kept open: clones
+    of it start their /tmp from them) and /dev/shm."""
+    size = config.layer_bytes()
+    _remember_private_writes(
+        ns.overlay_private_layer("/tmp", size, in_user_namespace=in_user_namespace)
+    )
+    host_view.own_dev_shm(size)
 
 
-def _own_network(config: IsolationConfig, clone: bool = False) -> int:
+def own_network(config: IsolationConfig, clone: bool = False) -> int:
     """CLONE_NEWNET where a sandbox needs a network namespace of its own. The tree's is
     empty (no interface), so what it would share is abstract UNIX sockets: Landlock's
     scoping (ABI 6) keeps those between a sandbox and its own domain already, except
@@ -484,13 +403,13 @@ def _own_network(config: IsolationConfig, clone: bool = False) -> int:
     return ns.CLONE_NEWNET
 
 
-def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: Isolation) -> None:
+def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: Isolation) -> None:
     """A clone (forked from a confined sandbox): a user namespace of its own, and in it
     mount, IPC and network namespaces; its /tmp and /dev/shm start as copies of its
     source's. On failure nothing is changed and the reason is under ``missing``."""
     global _PRIVATE_WRITES_FD
     flags = ns.CLONE_NEWUSER | ns.CLONE_NEWNS | ns.CLONE_NEWIPC
-    flags |= _own_network(config, clone=True)
+    flags |= own_network(config, clone=True)
     why = "a clone shares its source's mount and IPC namespaces"
     if config.shared_writable():
         why += ": user namespaces for clones are off where a host directory is writable"
@@ -511,14 +430,14 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
     confine.forget_inherited_drop()  # every capability again, in this namespace only
     # A process that is not dumpable has its /proc files owned by the host's root, which
     # a clone of an unprivileged uid (or of a clone) is not: it could not write its own
-    # maps. Not dumpable again in _confine; ptrace is refused by seccomp meanwhile.
+    # maps. Not dumpable again in confine_sandbox; ptrace is refused by seccomp meanwhile.
     linux.prctl(linux.PR_SET_DUMPABLE, 1)
-    own_net = bool(_own_network(config, clone=True))
+    own_net = bool(own_network(config, clone=True))
     achieved.sandbox.update(user=True, mount=True, ipc=True, net=own_net)
     try:
-        _write_text("/proc/self/setgroups", "deny")
-        _write_text("/proc/self/uid_map", f"0 {uid} 1\n")
-        _write_text("/proc/self/gid_map", f"0 {gid} 1\n")
+        write_text("/proc/self/setgroups", "deny")
+        write_text("/proc/self/uid_map", f"0 {uid} 1\n")
+        write_text("/proc/self/gid_map", f"0 {gid} 1\n")
         if not tree.tree.get("private_tmp") or not tree.tree.get("tmp_view"):
             return
         source = _PRIVATE_WRITES_FD
@@ -527,7 +446,7 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
         def fill(upper: str) -> None:
             writes = _private_writes()
             if writes is not None and writes != _EMPTY_CLONE_SOURCE:
-                _copy_tree(writes, upper)
+                copy_tree(writes, upper)
 
         own = ns.overlay_private_layer(
             "/tmp", size, lower=host_view.TREE_TMP_VIEW, fill=fill, in_user_namespace=True
@@ -548,10 +467,15 @@ def _enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: 
     reopened, failed = snapshot.reopen_copied_files(files)
     if reopened:
         achieved.sandbox["reopened_files"] = reopened
-    _report_shared_with_source(achieved, shared + stuck + failed)
+    report_shared_with_source(achieved, shared + stuck + failed)
 
 
-def _report_shared_with_source(achieved: Isolation, shared: list[str]) -> None:
+def clone_inherits_shared() -> list[str]:
+    """The shared mappings a clone's source listed before the fork."""
+    return _CLONE_INHERITS[2]
+
+
+def report_shared_with_source(achieved: Isolation, shared: list[str]) -> None:
     names = sorted(set(shared))
     if names:
         achieved.missing["shared_with_source"] = (
@@ -561,7 +485,7 @@ def _report_shared_with_source(achieved: Isolation, shared: list[str]) -> None:
         )
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, text.encode())
@@ -588,7 +512,7 @@ def private_tmp_leftovers(limit: int = 10_000) -> dict[str, int] | None:
     return {"files": files, "bytes": size} if files else None
 
 
-def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
+def clone_source(copy_from: str | None, tree: Isolation) -> str | None:
     """What a clone's TMPDIR starts from: its source's scratch dir, or with a private
     /tmp the source's own writes (not the whole /tmp: its lower layer is the host's)."""
     if copy_from is None and tree.tree.get("private_tmp"):
@@ -598,13 +522,13 @@ def _clone_source(copy_from: str | None, tree: Isolation) -> str | None:
 
 def before_forking_clones(copy_from: str | None, tree: Isolation) -> list[str]:
     """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
-    :func:`enter_sandbox`): list what their TMPDIRs start from once, here, instead of
-    once in every clone (only an empty listing is remembered), and what they will share
-    with this sandbox whatever their namespaces: its shared mappings (anonymous shared
-    memory included: a fork does not copy them), and open files in /tmp or /dev/shm no
-    clone can reopen on its copy. Returns those, named."""
+    :func:`gym_fork.system.birth.be_born`): list what their TMPDIRs start from once,
+    here, instead of once in every clone (only an empty listing is remembered), and what
+    they will share with this sandbox whatever their namespaces: its shared mappings
+    (anonymous shared memory included: a fork does not copy them), and open files in /tmp
+    or /dev/shm no clone can reopen on its copy. Returns those, named."""
     global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
-    source = _clone_source(copy_from, tree)
+    source = clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:
@@ -618,7 +542,7 @@ def before_forking_clones(copy_from: str | None, tree: Isolation) -> list[str]:
     return sorted(set(shared + stuck))
 
 
-def _new_scratch_dir(prefix: str) -> str:
+def new_scratch_dir(prefix: str) -> str:
     """A new directory ``prefix`` + random suffix in the scratch base, mode 0700 (what
     tempfile.mkdtemp makes, without building a random generator in every new sandbox)."""
     base = base_dir()
@@ -632,8 +556,9 @@ def _new_scratch_dir(prefix: str) -> str:
     raise FileExistsError(f"no free scratch directory name in {base}")
 
 
-def _confine(config: IsolationConfig, achieved: Isolation) -> None:
-    """Last step of the set-up: give up the privileges it needed, then filter syscalls."""
+def confine_sandbox(config: IsolationConfig, achieved: Isolation, clone: bool) -> None:
+    """Last step of the set-up: give up the privileges it needed, then filter syscalls
+    (``clone``: a fork of a confined sandbox)."""
     if not config.confine:
         why = "disabled by the caller (isolation.confine=False)"
         achieved.missing["capabilities"] = achieved.missing["seccomp"] = why
@@ -643,7 +568,7 @@ def _confine(config: IsolationConfig, achieved: Isolation) -> None:
     # Clones make their own user namespace, which needs CAP_SETFCAP (confine.py).
     # A clone without a user namespace of its own cannot drop it from its bounding set
     # (that needs CAP_SETPCAP): it keeps what it inherited.
-    inherited_only = confine.inherited() and not achieved.sandbox.get("user")
+    inherited_only = clone and not achieved.sandbox.get("user")
     # An unprivileged uid maps itself into a clone's user namespace without CAP_SETFCAP
     # (the kernel asks for it only to map the host's uid 0).
     keep = (
@@ -679,7 +604,7 @@ def _clones_get_namespaces(config: IsolationConfig, achieved: Isolation) -> bool
     )
 
 
-def _copy_tree(source: str | None, target: str) -> None:
+def copy_tree(source: str | None, target: str) -> None:
     """Copy ``source``'s entries into ``target`` (gym_fork/system/snapshot.py), without
     scratch directories and other mounts (a re-attached venv under /tmp is not copied)."""
     if not source:

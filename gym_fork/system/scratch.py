@@ -3,7 +3,7 @@
 With namespaces a sandbox's /tmp and /dev/shm are its own tmpfs mounts and there is
 nothing on the host to remove. Without, each sandbox owns a host directory
 ``gym_fork-scratch-<warm parent pid>-<pid>-*`` set as its TMPDIR (made by
-:func:`gym_fork.system.isolation.enter_sandbox`). The worker removes its own on
+:func:`gym_fork.system.birth.be_born`). The worker removes its own on
 close; the warm parent removes a dead sandbox's when it reaps it, and sweeps all of
 them at exit.
 """

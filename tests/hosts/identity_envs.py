@@ -67,14 +67,20 @@ class CuriousEnv(gym.Env):
         return len(self.held)
 
 
-def planting_parent_env(site_packages: str, secret: str, report: str):
+def planting_parent_env(site_packages: str, secret: str, report: str, world_writable: str):
     """A from_parent env_fn (it runs in the warm parent, once) that tries what a hostile
-    prototype would: plant a .pth every later interpreter runs, read an owner-only
-    file; it writes what happened to ``report`` (a file the test made writable)."""
+    prototype would: plant a .pth every later interpreter runs, write /etc and a
+    world-writable host directory (``world_writable``), read an owner-only file; it
+    writes what happened to ``report`` (in a directory of ``writable_paths``)."""
 
     def make() -> gym.Env:
         outcomes = []
-        for path in (os.path.join(site_packages, "gym_fork_planted.pth"), "/etc/gym_fork_planted"):
+        planted = (
+            os.path.join(site_packages, "gym_fork_planted.pth"),
+            "/etc/gym_fork_planted",
+            os.path.join(world_writable, "planted"),
+        )
+        for path in planted:
             try:
                 with open(path, "w") as f:
                     f.write("import os\n")

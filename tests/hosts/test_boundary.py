@@ -588,7 +588,7 @@ class ForgesItsClones(FixedPathEnv):
         def fake(config, tree, achieved):
             achieved.sandbox.update(user=True, mount=True, ipc=True, net=True, private_tmp=True)
 
-        isolation._enter_clone_namespaces = fake
+        isolation.enter_clone_namespaces = fake
 
 
 def test_a_source_cannot_make_its_branch_report_namespaces_it_does_not_have():

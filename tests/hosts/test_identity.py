@@ -177,23 +177,30 @@ def test_the_controllers_environment_is_scrubbed_as_a_fresh_process_starts_it(kw
 
 def test_from_parents_env_fn_runs_as_the_trees_uid_on_a_host_it_cannot_write(secrets):
     """The prototype env is built in the warm parent: as the tree's uid (root of the
-    tree's own user namespace only), not as the host's root with every capability."""
+    tree's own user namespace only), not as the host's root with every capability, in a
+    view of the host that is read-only but for what the caller made writable (before,
+    it wrote world-writable host directories such as /var/tmp)."""
     import sysconfig
 
     key, _, _ = secrets
     site_packages = sysconfig.get_paths()["purelib"]
-    # Outside /tmp (the warm parent's /tmp is the tree's own layer): a world-writable
-    # directory of the host, which an unprivileged uid may write.
+    # Outside /tmp (the warm parent's /tmp is the tree's own layer): world-writable
+    # directories of the host, which an unprivileged uid may write; one of them passed
+    # as writable_paths for the report.
     outside = tempfile.mkdtemp(prefix="gym_fork-report-", dir="/var/tmp")
-    os.chmod(outside, 0o1777)
+    open_to_all = tempfile.mkdtemp(prefix="gym_fork-open-", dir="/var/tmp")
+    for folder in (outside, open_to_all):
+        os.chmod(folder, 0o1777)
     report = pathlib.Path(outside) / "report"
-    make = planting_parent_env(site_packages, str(key), str(report))
-    envs = ForkVectorEnv.from_parent(make, 2, seed=0, lineage_log=False)
+    make = planting_parent_env(site_packages, str(key), str(report), open_to_all)
+    envs = ForkVectorEnv.from_parent(make, 2, seed=0, lineage_log=False, writable_paths=[outside])
     try:
-        planted, etc, secret, euid = report.read_text().split(" ", 3)
-        assert planted in ("EACCES", "EROFS") and etc in ("EACCES", "EROFS"), report.read_text()
+        pth, etc, var_tmp, secret, euid = report.read_text().split(" ", 4)
+        assert pth in ("EACCES", "EROFS") and etc in ("EACCES", "EROFS"), report.read_text()
+        assert var_tmp == "EROFS" and not os.listdir(open_to_all), report.read_text()
         assert not os.path.exists(os.path.join(site_packages, "gym_fork_planted.pth"))
         assert secret == "EACCES" and euid == "0"  # root of its namespace, nothing more
+        assert "warm_parent_read_only_host" not in envs.isolation["missing"]
         warm_parent = envs.sandboxes.host.pid
         assert _host_uids(warm_parent)[0] == envs.isolation["uid"] != 0
         assert "warm_parent_user_namespace" not in envs.isolation["missing"]
@@ -202,5 +209,6 @@ def test_from_parents_env_fn_runs_as_the_trees_uid_on_a_host_it_cannot_write(sec
     finally:
         envs.close()
         shutil.rmtree(outside, ignore_errors=True)
+        shutil.rmtree(open_to_all, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):  # planted where the boundary failed
             os.unlink(os.path.join(site_packages, "gym_fork_planted.pth"))

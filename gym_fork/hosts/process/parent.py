@@ -39,12 +39,13 @@ from gym_fork.hosts.process.idle import pool_size as idle_pool_size
 from gym_fork.hosts.process.sandbox import redirect_output, rehearse, run_as_sandbox, serve
 from gym_fork.system import cgroups, children, confine, identity, linux, vetted_imports
 from gym_fork.system import namespaces as ns
+from gym_fork.system.birth import Role, be_born
 from gym_fork.system.isolation import (
     Isolation,
     IsolationConfig,
     become_tree_init,
-    enter_sandbox,
     isolate_tree,
+    read_only_tree,
 )
 from gym_fork.system.scratch import remove_sandbox_scratch, sweep
 from gym_fork.worker.prepare import EnvSource
@@ -162,7 +163,7 @@ class WarmParent:
 
         def enter() -> None:
             linux.die_with_parent(self.pid)
-            enter_sandbox(self.isolation_config, self.tree_isolation, self.pid, None)
+            be_born(Role.PREIMPORT, self.isolation_config, self.tree_isolation, self.pid)
 
         def cleanup(pid: int) -> None:
             self._kill_tree()  # no sandbox exists yet: whatever runs in the tree is the build's
@@ -184,8 +185,8 @@ class WarmParent:
 
         def body() -> None:
             self._leave_parent(close)
-            scratch, achieved = enter_sandbox(
-                self.isolation_config, self.tree_isolation, self.pid, None
+            scratch, achieved = be_born(
+                Role.IDLE, self.isolation_config, self.tree_isolation, self.pid
             )
             entered = (scratch, achieved.report())
             if not linux.wait_readable(sock.fileno(), 0):  # no assignment waiting yet
@@ -314,7 +315,9 @@ class WarmParent:
 LEASE_REFILL_DELAY_S = 0.02
 
 
-def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> None:
+def _start_tree_init(
+    sock: socket.socket, controller: int, config: IsolationConfig, tree: Isolation
+) -> None:
     """Fork pid 1 of the tree's new pid namespace and return in it; this process only
     waits for it (killing it if the controller dies first), removes the tree's cgroups
     and scratch, and exits with its status."""
@@ -330,8 +333,12 @@ def _start_tree_init(sock: socket.socket, controller: int, tree: Isolation) -> N
             os._exit(70)  # the waiter died before PDEATHSIG was set
         os.close(me)
         become_tree_init(tree)
+        tree.tree["birth"].append("tree_init")
+        read_only_tree(config, tree)
+        tree.tree["birth"].append("read_only_view")
         if uid:
             _enter_tree_user_namespace(tree, asked[1], answered[0])
+            tree.tree["birth"].append("user_namespace")
         for fd in (*asked, *answered):
             os.close(fd)
         return
@@ -452,10 +459,21 @@ def run(sock: socket.socket, controller: int | None = None) -> None:
         linux.drop_controlling_terminal()
     cgroups.sweep_stale()  # here, where /proc is still the host's
     tree = isolate_tree(config, os.getpid())
+    tree.tree["birth"] = ["redirect_output", "drop_terminal", "isolate_tree"]
     if tree.tree.get("pid"):
-        _start_tree_init(sock, controller, tree)
+        _start_tree_init(sock, controller, config, tree)
     else:
         linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+        tree.missing["warm_parent_read_only_host"] = (
+            "no pid namespace: the warm parent is not the tree's init, whose own mount "
+            "namespace would be read-only while it runs env code"
+        )
+    try:
+        linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)  # the last step before env code
+        tree.tree["no_new_privs"] = True
+    except OSError as exc:
+        tree.missing["warm_parent_no_new_privs"] = str(exc)
+    tree.tree["birth"].append("no_new_privs")
     if config.confine:
         with contextlib.suppress(OSError):  # a sandbox reports the reason itself
             confine.prepare_seccomp()

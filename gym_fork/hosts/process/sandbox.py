@@ -31,12 +31,12 @@ import gymnasium as gym
 
 from gym_fork.hosts.process import messages as M
 from gym_fork.system import cgroups
+from gym_fork.system.birth import Role, be_born
 from gym_fork.system.children import read_until_closed
 from gym_fork.system.fan_out import Forked, fork_all
 from gym_fork.system.isolation import (
     IsolationConfig,
     before_forking_clones,
-    enter_sandbox,
     private_tmp_leftovers,
 )
 from gym_fork.system.linux import (
@@ -86,10 +86,11 @@ class ProcessWorker(Worker):
         self.isolation_config, self.tree_isolation = isolation
         self.scratch: str | None = None
 
-    def enter_sandbox(self, copy_from: str | None = None) -> None:
-        """Isolate this freshly forked process (gym_fork/system/isolation.py)."""
-        self.scratch, achieved = enter_sandbox(
-            self.isolation_config, self.tree_isolation, self.warm_parent, copy_from
+    def enter_sandbox(self, role: Role, copy_from: str | None = None) -> None:
+        """Isolate this freshly forked process as a sandbox of ``role``
+        (gym_fork/system/birth.py)."""
+        self.scratch, achieved = be_born(
+            role, self.isolation_config, self.tree_isolation, self.warm_parent, copy_from
         )
         self.isolation = achieved.report()
 
@@ -175,7 +176,7 @@ def serve(
         isolation,
     )
     if entered is None:
-        worker.enter_sandbox()
+        worker.enter_sandbox(Role.SPAWNED)
     else:
         worker.scratch, worker.isolation = entered
     if worker.hello(attach):
@@ -437,7 +438,7 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
             (worker.isolation_config, worker.tree_isolation),
         )
         child.slots, child.attach_arg = worker.slots, worker.attach_arg
-        child.enter_sandbox(copy_from=worker.scratch)
+        child.enter_sandbox(Role.CLONE, copy_from=worker.scratch)
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
