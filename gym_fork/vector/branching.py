@@ -11,10 +11,9 @@ import time
 from typing import Any
 
 import numpy as np
-from gymnasium import logger
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
-from gym_fork import progress
+from gym_fork import notices, progress
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
 from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
@@ -137,7 +136,7 @@ def warn_shared_with_source(workers: list[WorkerHandle], branch_id: str) -> None
         if isinstance(why, str):
             shared.setdefault(escape_controls(why[:1000]), []).extend(worker.indices)
     if shared:
-        logger.warn(
+        notices.warn(
             f"gym_fork branch {branch_id!r} shares memory with its source: "
             + "; ".join(f"sub-env(s) {indices}: {why}" for why, indices in shared.items())
             + ". The branch's writes reach its source. Pass shared_memory='refuse' to "

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 import cloudpickle
-from gymnasium import logger
 
+from gym_fork import notices
 from gym_fork.errors import (
     SubEnvCrashed,
     SubEnvError,
@@ -380,7 +380,7 @@ def errors_exception(
                 f"; sub-env {raised}'s is raised, with every traceback as its "
                 "gym_fork_tracebacks; logger 'gym_fork' logs them at DEBUG"
             )
-        logger.error(line + ")")
+        notices.error(line + ")")
     if len(ordered) > 1:
         exc.add_note(_call_note(groups, raised, tracebacks, building))
     _mark(exc, gym_fork_errors=errors, gym_fork_tracebacks=tracebacks)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
-from gymnasium import logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
+
+from gym_fork import notices
 
 from .config import check_sandbox_count
 
@@ -239,7 +240,7 @@ class AsyncFrontEnd:
         that the sandboxes are killed rather than closed."""
         if self._state is AsyncState.DEFAULT:
             return False
-        logger.warn(
+        notices.warn(
             f"Calling `close` while waiting for a pending call to `{self._state.value}` to "
             "complete."
         )
@@ -248,5 +249,5 @@ class AsyncFrontEnd:
         except multiprocessing.TimeoutError:
             return True
         except Exception as exc:  # a pending call that failed must not stop the close
-            logger.warn(f"Pending call failed while closing: {exc!r}")
+            notices.warn(f"Pending call failed while closing: {exc!r}")
         return False

@@ -17,8 +17,8 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
-from gymnasium import logger
 
+from gym_fork import notices
 from gym_fork.errors import RingTimeout, SubEnvCrashed, TransportError
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
 from gym_fork.gpu import probe as gpu_probe
@@ -451,7 +451,7 @@ class Sandboxes:
             pass  # past the deadline, dead or misbehaving: it is killed next
         except Exception as exc:
             with contextlib.suppress(Warning):  # warnings turned errors: close goes on
-                logger.warn(f"Error while closing the sub-envs: {exc!r}")
+                notices.warn(f"Error while closing the sub-envs: {exc!r}")
 
 
 _TMP_NOTED = False
@@ -468,7 +468,7 @@ def note_tmp_leftovers(report: Any) -> None:
     if type(files) is not int or type(size) is not int or files <= 0 or size < 0:
         return
     _TMP_NOTED = True
-    logger.warn(
+    notices.warn(
         f"gym_fork: a sandbox left {files} file(s) ({size / 2**20:.1f} MiB) in its private "
         "/tmp at close; they are gone with it. private_tmp=False gives sandboxes the "
         "host's /tmp, writable_paths=[...] a host directory of your choice (said once)."

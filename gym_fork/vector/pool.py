@@ -18,8 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gymnasium import logger
-
+from gym_fork import notices
 from gym_fork.errors import (
     PeerGone,
     PickleRefused,
@@ -325,7 +324,7 @@ class WorkerPool:
             worker.watch.wait_dead(1.0)
             raise stopped_error(worker, state, stall.stops, suspects, when, self.label)
         worker.resume()
-        logger.warn(stopped_note(worker, state, stall.stops, suspects, when, self.label))
+        notices.warn(stopped_note(worker, state, stall.stops, suspects, when, self.label))
 
     def _tree(self) -> list[tuple[WorkerHandle, bool]]:
         """The live sandboxes of this pool's tree, each with whether it is one of this

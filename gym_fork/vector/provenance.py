@@ -7,8 +7,8 @@ import hashlib
 from typing import Any
 
 import cloudpickle
-from gymnasium import logger
 
+from gym_fork import notices
 from gym_fork.errors import IsolationMissing
 from gym_fork.gpu import host_pid
 from gym_fork.gpu import probe as gpu_probe
@@ -201,7 +201,7 @@ def warn_missing_isolation(config: VectorConfig, isolation: dict[str, Any]) -> N
     key = tuple(sorted(missing))
     if key and key not in _WARNED_MISSING:
         _WARNED_MISSING.add(key)
-        logger.warn(
+        notices.warn(
             "gym_fork sandboxes run without: "
             + "; ".join(f"{layer} ({why})" for layer, why in sorted(missing.items()))
         )
@@ -225,7 +225,7 @@ def warn_branch_lost_isolation(
     key = ("branch", *sorted(lost))
     if lost and key not in _WARNED_MISSING:
         _WARNED_MISSING.add(key)
-        logger.warn(
+        notices.warn(
             f"gym_fork branch {branch_id!r} runs without what its source had: "
             + "; ".join(f"{layer} ({why})" for layer, why in sorted(lost.items()))
             + " (deep fork chains; see the FAQ, 'A deep search')"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
-from gymnasium import logger
 
+from gym_fork import notices
 from gym_fork.errors import SandboxStartError
 from gym_fork.gpu.cuda import ForkUnsafeError
 from gym_fork.hosts.base import (
@@ -426,7 +426,7 @@ class ProcessHost(SharedByBranches):
         if not discarded:
             return
         suspects = ", ".join(f"{h.name} (pid {h.pid})" for h in self.tree()) or "none"
-        logger.warn(
+        notices.warn(
             f"the warm parent (pid {self.pid}) found {len(discarded)} of its idle "
             "sandbox(es) stopped when it was to hand them a spec: it killed them and "
             "forked fresh sandboxes instead. They were stopped by a signal from inside "
