@@ -219,9 +219,14 @@ class BatchMode(AsyncFrontEnd):
         self._state = SENDING
         send_requests(self, batches, P.RESET, args)
 
-    def send(self, actions: Any, env_ids: Any = None) -> None:
+    def send(self, actions: Any, env_ids: Any = None, *, env_id: Any = None) -> None:
         """Batch mode: step sub-envs ``env_ids`` (default: those the last :meth:`recv`
-        returned) with ``actions``, one each, without waiting."""
+        returned) with ``actions``, one each, without waiting. ``env_id`` is EnvPool's
+        name for ``env_ids``."""
+        if env_id is not None:
+            if env_ids is not None:
+                raise TypeError("send() takes env_ids or EnvPool's env_id, not both")
+            env_ids = env_id
         batches = self._batch_mode("send")
         if self._state is not SENDING:
             self._begin("send")

@@ -34,6 +34,7 @@ from .batches import Batches, BatchMode
 from .branching import check_shared_memory_policy, clone_sandboxes, warn_shared_with_source
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
+from .foreign_arguments import refuse_foreign
 from .frontend import AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
 from .opening import Opened, open_root
@@ -99,6 +100,11 @@ class ForkVectorEnv(BatchMode, VectorEnv):
     vm_memory_mb = _option("vm_memory_mb")
     vm_slab_mb = _option("vm_slab_mb")
     worker = None  # AsyncVectorEnv's custom worker: never one here
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ForkVectorEnv:
+        # Before __init__'s signature refuses them with Python's bare TypeError.
+        refuse_foreign(args, kwargs, set(inspect.signature(cls.__init__).parameters))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -329,7 +335,17 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         """Wait for the steps sent by :meth:`step_async` and return their batched results."""
         if self._state is not AsyncState.WAITING_STEP:
             self._not_waiting(AsyncState.WAITING_STEP)
-        infos = self._gather(self._collect(timeout, P.STEP, "step_wait"))
+        try:
+            replies = self._collect(timeout, P.STEP, "step_wait")
+        except AssertionError as exc:
+            if not self.config.check_actions:  # most envs assert action_space.contains
+                exc.add_note(
+                    "(an assertion in a sub-env's step: if it checks its action, pass "
+                    "check_actions=True to have every action checked against the action "
+                    "space before it is sent, with the sub-env and the action named)"
+                )
+            raise
+        infos = self._gather(replies)
         rewards, terminations, truncations = self.sandboxes.slab_set().step_columns()
         observations = self._observations_out()
         return observations, rewards, terminations, truncations, infos
