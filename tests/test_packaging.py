@@ -41,6 +41,8 @@ def test_the_sdist_holds_what_building_needs_and_the_wheel_is_abi3(dist):
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     assert {"ext/build_ring.py", "ext/gf_ring.c", "ext/gf_ring.h", "LICENSE"} <= names
     assert {"CHANGELOG.md", "gym_fork/py.typed", "README.md"} <= names
+    # no test file cut off from its conftest and helpers (setuptools adds tests/test*.py)
+    assert not [n for n in names if n.startswith("tests/")], sorted(names)
     assert "-cp311-abi3-" in wheel.name, wheel.name
     with zipfile.ZipFile(wheel) as zipped:
         inside = zipped.namelist()
