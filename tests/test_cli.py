@@ -157,6 +157,16 @@ def test_lineage_html_is_self_contained(log, tmp_path, capsys):
     assert "2 tree(s), 5 vector env(s), 11 sub-envs in all" in page
 
 
+def test_lineage_png_without_matplotlib_writes_nothing(log, tmp_path, capsys, monkeypatch):
+    """--html and --png together where matplotlib is missing: the error, and no HTML
+    left behind as if the command had half worked."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    page, png = tmp_path / "tree.html", tmp_path / "tree.png"
+    assert main(["lineage", str(log), "--html", str(page), "--png", str(png)]) == 2
+    assert "--png needs matplotlib" in capsys.readouterr().out
+    assert not page.exists() and not png.exists()
+
+
 def test_lineage_png_and_tree_selection(log, tmp_path, capsys):
     png = tmp_path / "tree.png"
     assert main(["lineage", str(log), "--png", str(png), "--root", "grandchild"]) == 0

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from .log import default_log_path, read_logs
-from .picture import render_html, render_png
+from .picture import png_unavailable, render_html, render_png
 from .rotation import KEEP
 from .runs import parse_since, pick
 from .tree import render_tree
@@ -128,6 +128,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _pictures(
     events: list[dict], source: str, args: argparse.Namespace, choice: dict, runs: int
 ) -> int:
+    missing = png_unavailable() if args.png else None
+    if missing is not None:  # before writing anything: all or nothing
+        print(f"gym-fork lineage: {missing}")
+        return 2
     if args.html:
         page = render_html(events, source=source, title=args.title, **choice)
         with open(args.html, "w", encoding="utf-8") as f:

@@ -317,6 +317,15 @@ def render_html(
 # -- PNG --------------------------------------------------------------------------------
 
 
+def png_unavailable() -> str | None:
+    """Why :func:`render_png` cannot draw here (matplotlib missing), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--png needs matplotlib: pip install 'gym_fork[plots]'"
+    return None
+
+
 def render_png(
     events: list[dict[str, Any]],
     path: str | os.PathLike,

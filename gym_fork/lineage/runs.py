@@ -133,6 +133,17 @@ class Run:
             makers=_bounded(record.get("makers") or [], MAX_ENV_IDS),
         )
 
+    def process_gone(self) -> bool:
+        """Whether its process is known to have ended: recorded on this host, and no
+        process with its pid started when it did (a pid reused later is not it). A
+        vector env it left open then will never be closed (a kill -9, a crash)."""
+        if not self.recorded or self.pid is None or self.started is None:
+            return False
+        if self.hostname != _clip(socket.gethostname()):
+            return False  # another machine's: unknown from here
+        started = process_start_time(self.pid)
+        return started is None or abs(started - self.started) > 1.0
+
     def command(self, width: int = 160) -> str:
         """The script and its arguments, printable and at most ``width`` characters."""
         return printable(_clip(shlex.join(self.argv), width)) if self.argv else "(no argv)"
@@ -199,7 +210,24 @@ def pick(
 ) -> tuple[dict[str, BranchNode], list[Run]]:
     """The nodes of a log's events and the runs chosen as :func:`select_runs` does."""
     nodes, roots = branch_nodes(events)
-    return nodes, select_runs(group_runs(nodes, roots), nodes, root=root, last=last, since=since)
+    runs = select_runs(group_runs(nodes, roots), nodes, root=root, last=last, since=since)
+    for run in runs:
+        if run.process_gone():
+            _mark_never_closed(nodes, run.roots)
+    return nodes, runs
+
+
+# The status of a vector env whose process ended without closing it (a kill -9, a crash).
+NEVER_CLOSED = "never closed: its process is gone"
+
+
+def _mark_never_closed(nodes: dict[str, BranchNode], roots: list[str]) -> None:
+    stack = list(roots)
+    while stack:  # iterative: a deep chain of branches
+        node = nodes[stack.pop()]
+        if node.exit_status is None:
+            node.exit_status = NEVER_CLOSED
+        stack.extend(node.children)
 
 
 _AGO = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")

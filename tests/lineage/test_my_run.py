@@ -199,3 +199,50 @@ def test_the_help_names_every_option(monkeypatch):
         for action in parser._actions:
             if not isinstance(action, argparse._SubParsersAction):
                 assert action.help, (name, action.option_strings or action.dest)
+
+
+KILLED_SCRIPT = """\
+import os, signal
+import gymnasium as gym
+from gym_fork import ForkVectorEnv
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+envs = ForkVectorEnv([cartpole], branch_id="killed-root")
+envs.reset(seed=0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_killed_with_sigkill_is_not_shown_open(tmp_path, capsys):
+    """Its vector env was never closed, and never will be: the tree says its process
+    is gone instead of [open] (a living run's open env stays [open])."""
+    log = tmp_path / "lineage.jsonl"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SCRIPT)
+    environ = {**os.environ, "GYM_FORK_LINEAGE_LOG": str(log)}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=environ, capture_output=True,
+        timeout=180,
+    )  # fmt: skip
+    assert done.returncode == -9, done.stderr
+    out = lineage(capsys, str(log))
+    assert "killed-root baseline=" in out and "[never closed: its process is gone]" in out
+    assert "[open]" not in out
+    page = tmp_path / "killed.html"
+    lineage(capsys, str(log), "--html", str(page))
+    assert "never closed: its process is gone" in page.read_text()
+    # this process's own open root: [open]
+    from gym_fork import ForkVectorEnv
+
+    envs = ForkVectorEnv(
+        [lambda: gym.make("CartPole-v1")], branch_id="alive-root", lineage_log=str(log)
+    )
+    try:
+        alive = lineage(capsys, str(log))
+        assert "alive-root baseline=" in alive and "[open]" in alive, alive
+    finally:
+        envs.close()
