@@ -41,6 +41,7 @@ __all__ = [
     "autotune",
     "make_vec",
     "prestart",
+    "vector_entry_point",
 ]
 
 
@@ -85,6 +86,10 @@ def __getattr__(name: str):
         from gym_fork.make import make_vec
 
         return make_vec
+    if name == "vector_entry_point":
+        from gym_fork.make import vector_entry_point
+
+        return vector_entry_point
     if name == "SandboxLimits":
         from gym_fork.system.isolation import SandboxLimits
 

@@ -248,13 +248,34 @@ def remove(warm_parent: int, pid: int) -> None:
 
 
 def remove_tree(warm_parent: int) -> None:
-    """Remove this warm parent's groups (its sandboxes are dead)."""
+    """Remove this warm parent's groups (its sandboxes are dead), every group below
+    them included: the tree's groups are delegated to its uid, so env code that ran in
+    the warm parent or a sandbox may have made groups of its own in them."""
     for root in _roots():
         tree = os.path.join(root, f"{PREFIX}{warm_parent}")
-        groups = glob.glob(os.path.join(tree, "[0-9]*"))
-        remove_groups(groups + glob.glob(os.path.join(tree, f"{CLONE_PREFIX}*")))
-        with contextlib.suppress(OSError):
-            os.rmdir(tree)
+        for folder in reversed(_groups_below(tree)):  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+# The most groups below one tree's that teardown looks for (env code can make them).
+MAX_GROUPS_BELOW = 100_000
+
+
+def _groups_below(tree: str) -> list[str]:
+    """``tree`` and the groups below it, each after its parent, walked without recursion
+    (a chain nested thousands deep is a few syscalls per level, not a RecursionError);
+    a group's files are the kernel's, its directories are groups."""
+    found, stack = [], [tree]
+    while stack and len(found) < MAX_GROUPS_BELOW:
+        folder = stack.pop()
+        found.append(folder)
+        try:
+            with os.scandir(folder) as entries:
+                stack += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+    return found
 
 
 def tree_dirs(warm_parent: int, create: bool) -> list[str]:

@@ -173,9 +173,25 @@ register_space(
 )
 
 
+# The longest dtype text read from a sandbox: numpy parses a structured dtype's text
+# field by field, under the GIL (a 15 MB "b,b,b,..." took 32 s and 1.7 GB). A plain type
+# is a few characters; a structured array's header (codec.py) may take up to 1024.
+MAX_DTYPE_TEXT = 1024
+
+
+def untrusted_dtype(value: Any, limit: int = MAX_DTYPE_TEXT) -> np.dtype:
+    """``np.dtype`` of a dtype text a sandbox sent, at most ``limit`` characters; a
+    longer one, or a value that is no str, raises ValueError before numpy reads it."""
+    if not isinstance(value, str):
+        raise ValueError(f"a dtype must be given as text, not as a {type(value).__name__}")
+    if len(value) > limit:
+        raise ValueError(f"a dtype text of {len(value)} characters (at most {limit})")
+    return np.dtype(value)
+
+
 def _plain_dtype(value: Any) -> str:
     """A dtype string that names a plain numeric or bool type (never ``object``)."""
-    dtype = np.dtype(str(value))
+    dtype = untrusted_dtype(value, 64)
     if dtype.kind not in "biuf":
         raise SpaceRefused(f"dtype {dtype} is not a plain number type")
     return dtype.str
@@ -289,7 +305,7 @@ def _attribute_from_data(item: Any, trusted: bool) -> Any:
     if tag == "plain":
         return value
     if tag == "dtype":
-        dtype = np.dtype(str(value))
+        dtype = untrusted_dtype(value)
         if dtype.hasobject:
             raise SpaceRefused("an object dtype")
         return dtype

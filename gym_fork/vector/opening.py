@@ -45,15 +45,24 @@ def open_root(config: VectorConfig) -> Opened:
             metadata = mapping_from_data(first.get("metadata"), trusted=config.trusted)
         except SpaceRefused as exc:
             raise SandboxStartError(f"a sandbox reported malformed metadata: {exc}") from exc
-        spaces = VectorSpaces.from_hellos(config.observation_mode, hellos, trusted=config.trusted)
-        obs_in_slab = attach(sandboxes, spaces)
+        try:
+            spaces = VectorSpaces.from_hellos(
+                config.observation_mode, hellos, trusted=config.trusted
+            )
+            obs_in_slab = attach(sandboxes, spaces)
+            observations = create_empty_array(
+                spaces.single_observation_space, n=config.num_envs, fn=np.zeros
+            )
+        except MemoryError as exc:  # a space cheap to declare, too big to batch or hold
+            raise SandboxStartError(
+                f"the spaces the sub-envs declare need more memory than this machine "
+                f"gives to batch {config.num_envs} of them (numpy: {exc}); check their "
+                "observation_space and action_space shapes"
+            ) from None
     except BaseException:
         sandboxes.teardown(terminate=True)
         raise
     metadata["autoreset_mode"] = config.autoreset_mode
-    observations = create_empty_array(
-        spaces.single_observation_space, n=config.num_envs, fn=np.zeros
-    )
     render_mode = first.get("render_mode")
     return Opened(
         sandboxes,

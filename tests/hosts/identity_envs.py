@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -95,6 +96,35 @@ def planting_parent_env(site_packages: str, secret: str, report: str, world_writ
         outcomes.append(str(os.geteuid()))
         with open(report, "w") as f:
             f.write(" ".join(outcomes))
+        return CuriousEnv()
+
+    return make
+
+
+def cgroup_planting_parent_env(depth: int, report: str):
+    """A from_parent env_fn that makes groups of its own (a chain ``depth`` deep, and a
+    sibling) in the cgroup directories its tree was delegated, which the teardown must
+    remove; it writes the paths it made to ``report``."""
+
+    def make() -> gym.Env:
+        import glob
+
+        made = []
+        for tree in glob.glob("/sys/fs/cgroup/*/gym_fork-*"):
+            if os.stat(tree).st_uid != os.geteuid():  # another tree's (unmapped here)
+                continue
+            path = tree
+            for level in range(depth):
+                path = os.path.join(path, f"planted{level}")
+                try:
+                    os.mkdir(path)
+                except OSError:
+                    break
+            made.append(path)
+            with contextlib.suppress(OSError):
+                os.mkdir(os.path.join(tree, "planted-sibling"))
+        with open(report, "w") as f:
+            f.write("\n".join(made))
         return CuriousEnv()
 
     return make

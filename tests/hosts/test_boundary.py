@@ -356,7 +356,7 @@ def test_files_left_in_the_private_tmp_are_noted_once_at_close(monkeypatch):
 
     monkeypatch.setattr(lifecycle, "_TMP_NOTED", False)
     notes = []
-    monkeypatch.setattr(lifecycle.logger, "warn", lambda text, *a, **k: notes.append(text))
+    monkeypatch.setattr(lifecycle.notices, "warn", lambda text, *a, **k: notes.append(text))
     for _ in range(2):
         envs = ForkVectorEnv([LeavesTmpFiles] * 2, envs_per_worker=1, lineage_log=False)
         envs.reset(seed=0)

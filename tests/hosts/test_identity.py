@@ -15,12 +15,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 
 from gym_fork import ForkVectorEnv, IsolationMissing
 from gym_fork.system import identity
-from tests.hosts.identity_envs import CuriousEnv, planting_parent_env
+from tests.hosts.identity_envs import CuriousEnv, cgroup_planting_parent_env, planting_parent_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (sandboxes drop from it)")
 
@@ -212,3 +213,33 @@ def test_from_parents_env_fn_runs_as_the_trees_uid_on_a_host_it_cannot_write(sec
         shutil.rmtree(open_to_all, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):  # planted where the boundary failed
             os.unlink(os.path.join(site_packages, "gym_fork_planted.pth"))
+
+
+def test_groups_env_code_makes_in_its_trees_cgroups_are_removed_with_the_tree():
+    """The tree's cgroups are delegated to its uid, so from_parent's env_fn (in the warm
+    parent) can make groups in them: a chain 300 deep and a sibling, which the tree's
+    teardown removes with the rest (they outlived close() before)."""
+    # Outside /tmp: the warm parent's /tmp is the tree's own layer.
+    outside = tempfile.mkdtemp(prefix="gym_fork-report-", dir="/var/tmp")
+    os.chmod(outside, 0o1777)
+    report = pathlib.Path(outside) / "made"
+    envs = ForkVectorEnv.from_parent(
+        cgroup_planting_parent_env(300, str(report)),
+        1,
+        writable_paths=[outside],
+        sandbox_user="unprivileged",
+        lineage_log=False,
+    )
+    try:
+        made = [p for p in report.read_text().splitlines() if p]
+        assert made, "the tree's cgroups were not found from the warm parent"
+        # the warm parent's view: the host path of its tree's groups is the same
+        assert all(os.path.isdir(p) for p in made), made
+        trees = {os.sep.join(p.split(os.sep)[:6]) for p in made}
+    finally:
+        envs.close()
+        shutil.rmtree(outside, ignore_errors=True)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(t) for t in trees) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in trees if os.path.exists(t)], trees

@@ -265,3 +265,79 @@ def test_a_hostile_reply_is_that_sub_envs_error_in_a_living_controller(tmp_path,
     assert lines[0] == "error too_big [1]", child.stdout
     assert float(lines[1].split()[1]) < 10, child.stdout  # the step's own timeout
     assert lines[2:] == ["after (2, 2)", "closed"], child.stdout
+
+
+def colliding_timestamps(n: int) -> list[tuple[int, int]]:
+    """``n`` (seconds, nanoseconds) pairs whose msgpack Timestamps share one hash: a
+    Timestamp hashes as the tuple (seconds, nanoseconds), and CPython's tuple hash (an
+    xxHash round per item) can be inverted for the first item given the second."""
+    mask, prime = (1 << 64) - 1, (1 << 61) - 1
+    p1, p2, p5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+    p1_inverse, p2_inverse = pow(p1, -1, 1 << 64), pow(p2, -1, 1 << 64)
+    target, out, nanos = 0x123456789ABCDEF, [], 0
+    while len(out) < n:
+        before_second = (target - nanos * p2) & mask
+        rotated = (before_second * p1_inverse) & mask
+        lane = ((((rotated >> 31) | (rotated << 33)) & mask) - p5) & mask
+        first = (lane * p2_inverse) & mask  # the hash the seconds must have
+        if first < prime - 1:
+            out.append((first, nanos))
+        nanos += 1
+    return out
+
+
+def test_timestamp_keys_msgpack_builds_past_the_ext_hook_cost_no_quadratic_time():
+    """msgpack decodes ext -1 to a Timestamp itself, so the chosen-hash budget never saw
+    them: 12,000 colliding keys (192 KB) took 9 s. From an untrusted sandbox a Timestamp
+    is its float seconds."""
+    pairs = colliding_timestamps(12_000)
+    assert len({hash(msgpack.Timestamp(s, ns)) for s, ns in pairs[:20]}) == 1
+    body = bytearray(b"\xdf" + struct.pack(">I", len(pairs)))
+    for seconds, nanos in pairs:
+        body += b"\xc7\x0c\xff" + struct.pack(">Iq", nanos, seconds) + b"\xc0"
+    started = time.perf_counter()
+    value = unpack(bytes(body), allow_pickle=False, refused=[])
+    assert time.perf_counter() - started < 2.0
+    assert len(value) == len(pairs) and all(type(k) is float for k in value)
+    stamp = pack({"t": msgpack.Timestamp(5, 7)})
+    assert unpack(stamp, allow_pickle=False, refused=[]) == {"t": 5.000000007}
+    assert unpack(stamp) == {"t": msgpack.Timestamp(5, 7)}  # a trusted peer's: as sent
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        # a numpy scalar whose dtype is 1,000,000 structured fields (3 MB)
+        msgpack.packb(msgpack.ExtType(codec.EXT_NPSCALAR, b"i1," * 10**6 + b"\0\0")),
+        # a Box space whose dtype text is as long (as space_codec encodes a Box)
+        msgpack.packb(
+            msgpack.ExtType(
+                codec.EXT_PLAIN,
+                pack(
+                    {
+                        "kind": "space",
+                        "space": {
+                            "kind": "box",
+                            "low": np.zeros(1, np.int8),
+                            "high": np.ones(1, np.int8),
+                            "dtype": "i1," * 10**6,
+                        },
+                    }
+                ),
+            )
+        ),
+    ],
+    ids=["npscalar", "space"],
+)
+def test_a_dtype_text_is_bounded_before_numpy_parses_it(record):
+    """numpy parses a structured dtype's text field by field under the GIL: a 15 MB one
+    held step() 32 s and took 1.7 GB of the controller."""
+    started = time.perf_counter()
+    refused: list[int] = []
+    try:
+        value = unpack(record, allow_pickle=False, refused=refused)
+    except ValueError as exc:
+        assert "dtype text" in str(exc)
+    else:  # a space that does not decode is refused as a pickle would be
+        assert isinstance(value, codec.RefusedPickle) and refused, value
+    assert time.perf_counter() - started < 0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -287,3 +288,69 @@ def test_make_vec_matches_gymnasium_make_vec():
         finally:
             fork.close()
             sync.close()
+
+
+def test_an_env_registered_with_gym_forks_vector_entry_point_reaches_it_from_make_vec():
+    """Gymnasium 1.x: an env that opts in at registration is vectorized by ForkVectorEnv
+    from gym.make_vec with no change to the caller; "sync" still gives Gymnasium's."""
+    import gymnasium as gym
+
+    import gym_fork
+
+    env_id = "GymForkEntryPointCartPole-v0"
+    gym.register(
+        env_id,
+        entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+        max_episode_steps=25,
+        vector_entry_point=gym_fork.vector_entry_point(env_id, lineage_log=False),
+    )
+    try:
+        for mode in (None, "vector_entry_point"):
+            fork = gym.make_vec(env_id, num_envs=2, vectorization_mode=mode)
+            sync = gym.make_vec(env_id, num_envs=2, vectorization_mode="sync")
+            try:
+                assert isinstance(fork, ForkVectorEnv) and fork.num_envs == 2
+                assert isinstance(sync, gym.vector.SyncVectorEnv)
+                assert fork.metadata["autoreset_mode"] == sync.metadata["autoreset_mode"]
+                assert data_equivalence(fork.reset(seed=5), sync.reset(seed=5))
+                for _ in range(30):  # past the spec's 25-step limit: truncated alike
+                    a = np.array([1, 1])
+                    assert data_equivalence(fork.step(a)[:4], sync.step(a)[:4])
+            finally:
+                fork.close()
+                sync.close()
+        # the env's kwargs reach the sub-envs
+        fork = gym.make_vec(env_id, num_envs=1, sutton_barto_reward=True)
+        try:
+            fork.reset(seed=0)
+            assert fork.get_attr("_sutton_barto_reward") == (True,)
+        finally:
+            fork.close()
+    finally:
+        del gym.registry[env_id]
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+def test_metadata_names_the_autoreset_mode_in_every_mode(mode):
+    import gymnasium as gym
+
+    def cartpole_fn():
+        return gym.make("CartPole-v1")
+
+    envs = ForkVectorEnv([cartpole_fn], autoreset_mode=mode, lineage_log=False)
+    try:
+        assert envs.metadata["autoreset_mode"] is mode
+        if os.environ.get("GYM_FORK_HOST", "process") != "inline":  # inline cannot fork
+            envs.reset(seed=0)
+            branch = envs.fork("b")
+            try:  # a branch: the same
+                assert branch.metadata["autoreset_mode"] is mode
+            finally:
+                branch.close()
+        by_name = ForkVectorEnv([cartpole_fn], autoreset_mode=mode.value, lineage_log=False)
+        try:  # given as its string, as Gymnasium's own vector envs take it
+            assert by_name.metadata["autoreset_mode"] is mode
+        finally:
+            by_name.close()
+    finally:
+        envs.close()

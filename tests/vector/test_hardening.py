@@ -213,3 +213,22 @@ def test_a_sandbox_dying_in_the_middle_of_a_reply_is_a_crash_with_its_status_at_
 def test_an_env_instead_of_an_env_fn_is_a_clear_type_error():
     with pytest.raises(TypeError, match=r"env_fns\[1\] is a TimeLimit .*lambda: gym.make"):
         ForkVectorEnv([lambda: gym.make("CartPole-v1"), gym.make("CartPole-v1")])
+
+
+class _DeclaresAHugeSpace(gym.Env):
+    """A space cheap to declare (gymnasium allocates nothing for it), 1.8 TiB to batch."""
+
+    observation_space = gym.spaces.MultiBinary([10**6, 10**6])
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros((1, 1), np.int8), {}
+
+    def step(self, action):
+        return np.zeros((1, 1), np.int8), 0.0, False, False, {}
+
+
+def test_a_space_too_big_to_batch_is_a_start_error_naming_the_spaces():
+    """numpy's MemoryError from batching it was raised as it was; nothing is left."""
+    with pytest.raises(SandboxStartError, match="observation_space and action_space"):
+        ForkVectorEnv([_DeclaresAHugeSpace] * 2, lineage_log=False)
