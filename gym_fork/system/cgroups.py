@@ -266,7 +266,8 @@ def _groups_below(tree: str) -> list[str]:
     """``tree`` and the groups below it, each after its parent, walked without recursion
     (a chain nested thousands deep is a few syscalls per level, not a RecursionError);
     a group's files are the kernel's, its directories are groups."""
-    found, stack = [], [tree]
+    found: list[str] = []
+    stack = [tree]
     while stack and len(found) < MAX_GROUPS_BELOW:
         folder = stack.pop()
         found.append(folder)
