@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,12 +64,17 @@ def autotune(
     rounds: int = 3,
     candidates: Sequence[int] | None = None,
     seed: int | None = 0,
+    progress: Callable[[str], None] | None = None,
     **env_kwargs: Any,
 ) -> Recommendation:
     """Time ``ForkVectorEnv(env_fns, envs_per_worker=k, **env_kwargs)`` for each grouping
     ``k`` (``candidates``, default :func:`candidate_groupings`), stepping random actions
     for ``seconds`` per try, the tries interleaved over ``rounds``, and recommend the one
     with the most sub-env steps per second. Each try builds and closes its own vector env.
+
+    ``progress`` gets one line per try as it ends (default: written to stderr, since the
+    whole takes tries x ``seconds`` plus each try's start); ``print`` or a logger's
+    method work too. ``print(autotune(...))`` shows the table and the recommendation.
     """
     from .fork_vector_env import ForkVectorEnv
 
@@ -89,18 +95,33 @@ def autotune(
                 f"autotune: every candidate must be an int in 1..{num_envs}, got {k!r}"
             )
     chosen = sorted(set(chosen))
+    say = progress if progress is not None else _to_stderr
     measured: dict[int, list[float]] = {k: [] for k in chosen}
-    for _ in range(rounds):
+    tries, done = rounds * len(chosen), 0
+    say(
+        f"autotune: {len(chosen)} grouping(s) x {rounds} round(s) of {seconds:g} s each "
+        f"over {num_envs} sub-env(s) on {cores} core(s)"
+    )
+    for round_index in range(rounds):
         for k in chosen:
             envs = ForkVectorEnv(list(env_fns), envs_per_worker=k, **env_kwargs)
             try:
                 measured[k].append(_steps_per_second(envs, seconds, seed))
             finally:
                 envs.close()
+            done += 1
+            say(
+                f"autotune [{done}/{tries}] round {round_index + 1}, envs_per_worker={k}: "
+                f"{measured[k][-1]:,.0f} sub-env steps/s"
+            )
     medians = {k: statistics.median(v) for k, v in measured.items()}
     best = max(medians, key=lambda k: (medians[k], -k))
     auto = auto_envs_per_worker(num_envs, env_kwargs.get("reset_mode", "in_place"))
     return Recommendation(best, medians, measured, auto, cores)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _steps_per_second(envs: Any, seconds: float, seed: int | None) -> float:

@@ -28,10 +28,19 @@ def test_auto_grouping_is_by_core_count_alone(monkeypatch):
     assert auto_envs_per_worker(8, "clone") == 1
 
 
-def test_autotune_measures_every_candidate_and_recommends_the_fastest():
+def test_autotune_measures_every_candidate_and_recommends_the_fastest(capsys):
+    lines: list[str] = []
     result = autotune(
-        [make_cartpole] * 2, seconds=0.2, rounds=2, candidates=[2, 1, 2], network=False
+        [make_cartpole] * 2,
+        seconds=0.2,
+        rounds=2,
+        candidates=[2, 1, 2],
+        network=False,
+        progress=lines.append,
     )
+    # a progress line before any try and one per try (4: 2 groupings x 2 rounds)
+    assert len(lines) == 5 and "2 grouping(s) x 2 round(s)" in lines[0], lines
+    assert lines[-1].startswith("autotune [4/4] round 2") and "steps/s" in lines[-1]
     assert sorted(result.steps_per_second) == [1, 2]
     assert all(len(v) == 2 and min(v) > 0 for v in result.rounds.values())
     fastest = max(result.steps_per_second, key=result.steps_per_second.get)
@@ -53,3 +62,9 @@ def test_autotune_measures_every_candidate_and_recommends_the_fastest():
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         autotune([make_cartpole] * 2, **kwargs)
+
+
+def test_autotune_reports_progress_on_stderr_by_default(capsys):
+    autotune([make_cartpole], seconds=0.05, rounds=1, candidates=[1], network=False)
+    err = capsys.readouterr().err
+    assert "autotune [1/1] round 1, envs_per_worker=1:" in err, err
