@@ -4,6 +4,7 @@ named instead of Python's bare "unexpected keyword argument"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 # name: (where users bring it from, what to write instead)
@@ -40,11 +41,13 @@ EQUIVALENTS: dict[str, tuple[str, str]] = {
 }
 
 
-def refuse_foreign(args: tuple[Any, ...], kwargs: dict[str, Any], known: set[str]) -> None:
+def refuse_foreign(
+    args: tuple[Any, ...], kwargs: dict[str, Any], known: Callable[[], Collection[str]]
+) -> None:
     """Raise TypeError naming gym_fork's equivalent for an argument of another library
-    (``known``: the constructor's own names), or for an env id given as env_fns."""
+    (``known()``: the constructor's own names), or for an env id given as env_fns."""
     for name in kwargs:
-        if name not in known and name in EQUIVALENTS:
+        if name in EQUIVALENTS and name not in known():
             origin, instead = EQUIVALENTS[name]
             raise TypeError(
                 f"ForkVectorEnv() got an unexpected keyword argument {name!r} (an argument "

@@ -103,7 +103,8 @@ class ForkVectorEnv(BatchMode, VectorEnv):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ForkVectorEnv:
         # Before __init__'s signature refuses them with Python's bare TypeError.
-        refuse_foreign(args, kwargs, set(inspect.signature(cls.__init__).parameters))
+        # (the signature is read only when a foreign name is there: not at every env)
+        refuse_foreign(args, kwargs, lambda: inspect.signature(cls.__init__).parameters)
         return super().__new__(cls)
 
     def __init__(
