@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument(
         "--setup", action="store_true", help="only a new sandbox's isolation set-up (root)"
     )
+    parser.add_argument("--json", metavar="OUT", help="write every sample as JSON to OUT")
     args = parser.parse_args()
     if args.setup:
         setup = sandbox_setup()
@@ -81,7 +83,22 @@ def main() -> None:
             2,
         ),
     ]
+    load_before = os.getloadavg()
     rows = [measure(name, make, expr, cold_runs, runs) for name, make, expr, cold_runs in cases]
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {
+                    "quick": args.quick,
+                    "heavy_mb": mb,
+                    "heavy_init_s": 1.5,
+                    "rows": rows,
+                    "load_before": load_before,
+                    "load_after": os.getloadavg(),
+                },
+                out,
+                indent=1,
+            )
     ms = 1000.0
     print(
         f"{'env':<24}{'cold p50':>10}{'clone p50/p99':>16}{'apart p50':>10}{'fork p50/p99':>15}"

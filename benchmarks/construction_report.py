@@ -18,6 +18,7 @@ for ForkVectorEnv, a second vector env of the process.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -75,13 +76,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", nargs="+", default=["0", "0.3"])
+    parser.add_argument("--json", metavar="OUT", help="write every run's figures as JSON")
     args = parser.parse_args()
-    print(f"load average (1, 5, 15 min) at the start: {os.getloadavg()}")
+    load_before = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at the start: {load_before}")
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for work in args.work:
         rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in IMPORTS}
         for _ in range(args.runs):
             for kind in IMPORTS:
                 rows[kind].append(measure(kind, work))
+        results[work] = rows
         base = statistics.median(r["first"] for r in rows["async"])
         print(f"--work {work}: seconds, median (min-max) of {args.runs} fresh processes")
         for kind, runs in rows.items():
@@ -93,6 +98,18 @@ def main() -> None:
                 f"whole process {shown([r['process'] for r in runs])}"
             )
     print(f"load average at the end: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {
+                    "runs": args.runs,
+                    "work": results,
+                    "load_before": load_before,
+                    "load_after": os.getloadavg(),
+                },
+                out,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

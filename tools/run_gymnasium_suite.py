@@ -13,6 +13,7 @@ counts and every test that passes with AsyncVectorEnv but not with ForkVectorEnv
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -81,6 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("git_dir")
     parser.add_argument("--rev", default=REV_1_4_0)
+    parser.add_argument("--json", metavar="OUT", help="write the counts and the lost tests")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     export_tests(args.git_dir, args.rev)
@@ -94,6 +96,18 @@ def main() -> int:
     print(f"of those, passing with ForkVectorEnv: {len(passed_both)} ({ratio:.1%})")
     for test in lost:
         print(f"LOST {test}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {
+                    "rev": args.rev,
+                    "passed_async": len(passed_async),
+                    "passed_both": len(passed_both),
+                    "lost": lost,
+                },
+                out,
+                indent=1,
+            )
     return 0 if ratio >= 0.98 else 1
 
 
