@@ -279,7 +279,6 @@ def from_grouping(found: dict, run: str = "grouping") -> Figures:
     for row, r in found["rows"].items():
         by = r["by_grouping"]
         auto, best = str(r["auto"]), str(r["recommended"])
-        rounds_auto, rounds_best = r["rounds"][auto], r["rounds"][best]
         key = f"grouping.{slug(row)}"
         out[key + ".auto"] = {
             "text": auto,
@@ -293,24 +292,19 @@ def from_grouping(found: dict, run: str = "grouping") -> Figures:
             "run": run,
             "what": f"{row}: autotune's fastest envs_per_worker",
         }
-        out[key + ".best_vs_auto"] = figure(
-            ratio_text,
-            [b / a for b, a in zip(rounds_best, rounds_auto, strict=False)],
-            run,
-            f"{row}: fastest / auto, per round",
-        )
-        out[key + ".one_worker_vs_auto"] = figure(
-            ratio_text,
-            [b / a for b, a in zip(r["rounds"][str(max(map(int, by)))], rounds_auto, strict=False)],
-            run,
-            f"{row}: all in one worker / auto",
-        )
-        out[key + ".one_per_sandbox_vs_auto"] = figure(
-            ratio_text,
-            [b / a for b, a in zip(r["rounds"]["1"], rounds_auto, strict=False)],
-            run,
-            f"{row}: one sub-env per sandbox / auto",
-        )
+        # Each text compares the medians autotune ranked by; its range, the rounds.
+        one_worker = str(max(map(int, by)))
+        for name, k, what in (
+            ("best_vs_auto", best, "fastest"),
+            ("one_worker_vs_auto", one_worker, "all in one worker"),
+            ("one_per_sandbox_vs_auto", "1", "one sub-env per sandbox"),
+        ):
+            per_round = [b / a for b, a in zip(r["rounds"][k], r["rounds"][auto], strict=False)]
+            out[f"{key}.{name}"] = {
+                **figure(ratio_text, per_round, run, f"{row}: {what} / auto (medians; rounds)"),
+                "text": ratio_text(by[k] / by[auto]),
+                "value": by[k] / by[auto],
+            }
     return out
 
 
@@ -359,13 +353,22 @@ def save(results: dict, path: Path = RESULTS) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def merge(results: dict, run: str, about: dict, figures: Figures) -> dict:
-    """Replace ``run``'s figures (and its description) in ``results``."""
+def merge(results: dict, run: str, about: dict, raw: dict) -> dict:
+    """Replace ``run``'s description, what its benchmark wrote and its figures."""
     kept = {k: v for k, v in results.get("figures", {}).items() if v["run"] != run}
     return {
         "runs": {**results.get("runs", {}), run: about},
-        "figures": {**kept, **figures},
+        "raw": {**results.get("raw", {}), run: raw},
+        "figures": {**kept, **EXTRACTORS[run](raw)},
     }
+
+
+def extracted(results: dict) -> Figures:
+    """The figures the stored benchmark output gives (what the file's figures must be)."""
+    out: Figures = {}
+    for run, raw in results.get("raw", {}).items():
+        out.update(EXTRACTORS[run](raw))
+    return out
 
 
 def held_texts(results: dict) -> set[str]:

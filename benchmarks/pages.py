@@ -4,6 +4,7 @@ takes the whole file and returns a block's Markdown; a figure the file lacks is 
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -115,7 +116,19 @@ def fill(p: Page, template: str) -> str:
             return _async_span(p)
         return p.text(key)
 
-    return FIELD.sub(one, template)
+    filled = " ".join(FIELD.sub(one, template).split())
+    # A bullet of prose, wrapped as the hand-written ones around it are.
+    return (
+        textwrap.fill(
+            filled[2:],
+            width=92,
+            initial_indent="- ",
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        + "\n"
+    )
 
 
 def readme_compat(p: Page) -> str:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gym_fork import knobs
+
 SCHEMA = "gym_fork.doctor/1"
 STATUSES = ("ok", "degraded", "missing")
 
@@ -183,7 +185,7 @@ def _accelerator(image) -> tuple[str, str]:
     """What the host would choose, from the cached verdict only (the probe boots a VM)."""
     from gym_fork.hosts.microvm.accel import cached_verdict
 
-    forced = os.environ.get("GYM_FORK_VM_ACCEL")
+    forced = knobs.given("GYM_FORK_VM_ACCEL")
     if forced in ("kvm", "tcg"):
         return forced, "GYM_FORK_VM_ACCEL"
     verdict = cached_verdict(image)

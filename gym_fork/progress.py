@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO, TypeVar
 
+from gym_fork import knobs
+
 ENV_VAR = "GYM_FORK_PROGRESS"
 _OFF = {"0", "false", "no", "off", "never"}
 _ON = {"1", "true", "yes", "on", "always", "force"}
@@ -35,7 +37,7 @@ T = TypeVar("T")
 
 def setting() -> bool | None:
     """``GYM_FORK_PROGRESS`` read as True (forced on), False (off) or None (automatic)."""
-    value = os.environ.get(ENV_VAR, "").strip().lower()
+    value = knobs.read(ENV_VAR).strip().lower()
     if value in _OFF:
         return False
     if value in _ON:

@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 
+from gym_fork import knobs
+
 # Set in every warm parent's environment to the controller's pid, and so inherited by
 # every sandbox and whatever it starts: leak checks find a tree's processes by it.
 SANDBOX_MARKER = "GYM_FORK_SANDBOX"
@@ -35,7 +37,7 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 def enabled() -> bool:
     """Whether warm parents are forked from a zygote (``GYM_FORK_ZYGOTE``, default on)."""
-    return os.environ.get("GYM_FORK_ZYGOTE", "1") != "0"
+    return knobs.read("GYM_FORK_ZYGOTE") != "0"
 
 
 def zygote_key(env: dict[str, str]) -> tuple:
@@ -97,7 +99,7 @@ def launch_early() -> bool:
     if _started_early or SANDBOX_MARKER in os.environ or not enabled():
         return False
     _started_early = True
-    if os.environ.get("GYM_FORK_HOST", "process") not in ("", "process"):
+    if knobs.read("GYM_FORK_HOST") not in ("", "process"):
         return False
     env = warm_parent_environment()
     try:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gym_fork import knobs
+
 from . import rotation
 
 ENV_VAR = "GYM_FORK_LINEAGE_LOG"
@@ -37,7 +39,7 @@ MAX_LINE = 16 << 20
 
 def default_log_path() -> Path | None:
     """$GYM_FORK_LINEAGE_LOG ("" disables), else $XDG_STATE_HOME/gym_fork/lineage.jsonl."""
-    configured = os.environ.get(ENV_VAR)
+    configured = knobs.given(ENV_VAR)
     if configured is not None:
         return Path(configured) if configured else None
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(

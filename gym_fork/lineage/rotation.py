@@ -18,8 +18,10 @@ import time
 import warnings
 from pathlib import Path
 
+from gym_fork import knobs
+
 MAX_BYTES_VAR = "GYM_FORK_LINEAGE_LOG_MAX_BYTES"
-DEFAULT_MAX_BYTES = 4 << 20
+DEFAULT_MAX_BYTES = int(knobs.BY_NAME[MAX_BYTES_VAR].default)
 # Rotated files kept beside the log (lineage.jsonl.1 .. .KEEP): the whole log stays
 # under (KEEP + 1) * max_bytes plus one line.
 KEEP = 2
@@ -29,7 +31,7 @@ LOCK_WAIT = 2.0
 def max_bytes() -> int:
     """The size a log may reach before it is rotated: $GYM_FORK_LINEAGE_LOG_MAX_BYTES
     (a positive integer), else :data:`DEFAULT_MAX_BYTES`."""
-    configured = os.environ.get(MAX_BYTES_VAR)
+    configured = knobs.given(MAX_BYTES_VAR)
     if configured is None:
         return DEFAULT_MAX_BYTES
     try:

@@ -15,12 +15,14 @@ import os
 import shutil
 import tempfile
 
+from gym_fork import knobs
+
 _BASE_VAR = "GYM_FORK_SCRATCH_BASE"
 
 
 def base_dir() -> str:
     """The host temp dir scratch directories live in (fixed at the first call)."""
-    base = os.environ.get(_BASE_VAR)
+    base = knobs.given(_BASE_VAR)
     if base is None:
         base = tempfile.gettempdir()
         os.environ[_BASE_VAR] = base

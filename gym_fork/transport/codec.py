@@ -25,7 +25,6 @@ n colliding keys takes n**2 time under the GIL. Both raise :class:`DecodeTooBig`
 
 from __future__ import annotations
 
-import os
 import struct
 import warnings
 from typing import Any
@@ -35,6 +34,7 @@ import msgpack
 import numpy as np
 from gymnasium.spaces import GraphInstance
 
+from gym_fork import knobs
 from gym_fork.errors import EncodeError, TransportError
 from gym_fork.transport.space_codec import (
     SpaceRefused,
@@ -55,13 +55,13 @@ EXT_PLAIN = 6
 _META = struct.Struct("<I")
 
 MAX_OBJECTS_ENV = "GYM_FORK_MAX_DECODE_OBJECTS"
-DEFAULT_MAX_OBJECTS = 1 << 20
+DEFAULT_MAX_OBJECTS = int(knobs.BY_NAME[MAX_OBJECTS_ENV].default)
 # An ndarray's (dtype, shape) header: numpy has at most 64 dimensions.
 _META_LIMITS = {"max_array_len": 64, "max_map_len": 0, "max_str_len": 1024, "max_bin_len": 0}
 
 
 def _max_objects_from_env() -> int:
-    raw = os.environ.get(MAX_OBJECTS_ENV, "").strip()
+    raw = (knobs.given(MAX_OBJECTS_ENV) or "").strip()
     if not raw:
         return DEFAULT_MAX_OBJECTS
     try:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from gym_fork import knobs
 from gym_fork._ring import ffi, lib
 from gym_fork.errors import PeerGone, RingTimeout, TransportError
 
@@ -23,7 +24,7 @@ from .region import Region
 CONTROL_BYTES = int(lib.gf_ring_control_size())
 # Busy-wait rounds before a futex sleep (pause x32, then sched_yield); measured in
 # docs/benchmarks-notebook.md. GYM_FORK_SPIN overrides it for tuning.
-DEFAULT_SPIN = int(os.environ.get("GYM_FORK_SPIN", "400"))
+DEFAULT_SPIN = int(knobs.read("GYM_FORK_SPIN"))
 
 _REASONS = {
     lib.GF_EMAGIC: "magic",

@@ -12,6 +12,7 @@ import numpy as np
 from gymnasium import Space
 from gymnasium.vector import AutoresetMode
 
+from gym_fork import knobs
 from gym_fork.hosts.base import (
     DEFAULT_VM_MEMORY_MB,
     DEFAULT_VM_SLAB_MB,
@@ -27,7 +28,7 @@ from gym_fork.transport.channel import DEFAULT_RING_BYTES
 # Sandboxes one controller may hold at once (all its vector envs and branches), unless
 # GYM_FORK_MAX_SANDBOXES says otherwise: a typo such as copies=10**9 is refused before
 # anything is allocated.
-DEFAULT_MAX_SANDBOXES = 4096
+DEFAULT_MAX_SANDBOXES = int(knobs.BY_NAME["GYM_FORK_MAX_SANDBOXES"].default)
 
 # Seconds a warm parent may take to start (interpreter, imports) on top of ``timeout``.
 STARTUP_ALLOWANCE = 10.0
@@ -35,13 +36,12 @@ STARTUP_ALLOWANCE = 10.0
 
 def max_sandboxes() -> int:
     """The ceiling on sandboxes per controller (GYM_FORK_MAX_SANDBOXES)."""
-    value = os.environ.get("GYM_FORK_MAX_SANDBOXES")
-    return int(value) if value else DEFAULT_MAX_SANDBOXES
+    return int(knobs.read("GYM_FORK_MAX_SANDBOXES") or DEFAULT_MAX_SANDBOXES)
 
 
 def trusted_from_environment() -> bool:
     """``trusted``'s default: False unless GYM_FORK_TRUSTED says 1/true/yes/on."""
-    value = os.environ.get("GYM_FORK_TRUSTED", "").strip().lower()
+    value = knobs.read("GYM_FORK_TRUSTED").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
@@ -152,7 +152,7 @@ class VectorConfig:
                 raise ValueError(
                     f"`max_concurrency` must be a positive or None, got {max_concurrency}."
                 )
-        host = host or os.environ.get("GYM_FORK_HOST") or "process"
+        host = host or knobs.read("GYM_FORK_HOST") or "process"
         if batch_size is not None:
             if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
                 raise TypeError(f"`batch_size` must be an int or None, got {batch_size!r}")

@@ -13,6 +13,7 @@ import os
 import subprocess
 import time
 
+from gym_fork import knobs
 from gym_fork.hosts.microvm.image import GuestImage
 from gym_fork.hosts.microvm.machine import qemu_binary
 from gym_fork.hosts.microvm.paths import cache_root
@@ -95,7 +96,7 @@ def cached_verdict(image: GuestImage) -> dict | None:
 
 def choose_accel(image: GuestImage) -> tuple[str, str]:
     """``("kvm" | "tcg", reason)``: forced by GYM_FORK_VM_ACCEL, else the cached probe."""
-    forced = os.environ.get("GYM_FORK_VM_ACCEL")
+    forced = knobs.given("GYM_FORK_VM_ACCEL")
     if forced in ("kvm", "tcg"):
         return forced, "GYM_FORK_VM_ACCEL"
     verdict = cached_verdict(image)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gym_fork import knobs
 from gym_fork.errors import SandboxStartError
 from gym_fork.hosts.base import (
     AskWorker,
@@ -145,7 +146,7 @@ class MicroVMHost(SharedByBranches):
                 config.vm_slab_mb << 20,
                 config.ring_capacity,
                 # GYM_FORK_VM_DOORBELL=0: idle guests keep polling (for measurements)
-                doorbell=os.environ.get("GYM_FORK_VM_DOORBELL", "1") != "0",
+                doorbell=knobs.read("GYM_FORK_VM_DOORBELL") != "0",
             )
             self.slab_min_bytes = self.config.slab_bytes  # sparse: costs nothing unused
             self._die_with_controller = controller_is_main_thread()

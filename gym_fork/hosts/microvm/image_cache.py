@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gym_fork import knobs
 from gym_fork.hosts.microvm import template_dir
 from gym_fork.hosts.microvm.paths import cache_root
 
@@ -39,7 +40,7 @@ def images_dir() -> Path:
 
 def bound_bytes() -> int:
     """``GYM_FORK_VM_IMAGE_CACHE_MB`` in bytes (a clear error for a bad value)."""
-    given = os.environ.get("GYM_FORK_VM_IMAGE_CACHE_MB", "").strip()
+    given = knobs.read("GYM_FORK_VM_IMAGE_CACHE_MB").strip()
     if not given:
         return DEFAULT_BOUND_MB << 20
     try:

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gym_fork import progress
+from gym_fork import knobs, progress
 from gym_fork.hosts.microvm.paths import cache_root
 
 # What the guest loads from the kernel's modules, in dependency order (resolved from
@@ -87,12 +87,12 @@ def kernels_dir() -> Path:
 
 def find_kernel() -> Kernel:
     """The guest kernel to use (see the module docstring), or KernelNotFound."""
-    given = os.environ.get("GYM_FORK_VM_KERNEL")
+    given = knobs.given("GYM_FORK_VM_KERNEL")
     if given:
         vmlinuz = Path(given)
         version = _version_of(vmlinuz)
         modules = Path(
-            os.environ.get("GYM_FORK_VM_MODULES")
+            knobs.given("GYM_FORK_VM_MODULES")
             or vmlinuz.parent.parent / "lib" / "modules" / version
         )
         if not vmlinuz.is_file() or not modules.is_dir():

@@ -22,6 +22,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from gym_fork import knobs
+
 OWN_DISTRIBUTION = "gym-fork"
 ALL = "all"
 _REQUIREMENT_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -198,7 +200,7 @@ def imported_entries(sites: list[str]) -> set[str]:
 
 def extra_packages() -> tuple[bool, list[str]]:
     """``GYM_FORK_VM_PACKAGES``: (pack everything, the names it adds)."""
-    given = os.environ.get("GYM_FORK_VM_PACKAGES", "").strip()
+    given = knobs.read("GYM_FORK_VM_PACKAGES").strip()
     names = [normalise(n) for n in given.split(",") if n.strip()]
     return ALL in names, [n for n in names if n != ALL]
 

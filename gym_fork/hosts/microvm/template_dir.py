@@ -13,6 +13,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from gym_fork import knobs
 from gym_fork.hosts.microvm.paths import cache_root
 
 SUFFIX = ".boot"
@@ -20,13 +21,13 @@ SUFFIX = ".boot"
 
 def enabled() -> bool:
     """False when ``GYM_FORK_VM_BOOT_CACHE`` is ``0``/``off``/``no``."""
-    return os.environ.get("GYM_FORK_VM_BOOT_CACHE", "1").lower() not in ("0", "off", "no")
+    return knobs.read("GYM_FORK_VM_BOOT_CACHE").lower() not in ("0", "off", "no")
 
 
 def cache_dir() -> Path:
     """Where entries live: ``$GYM_FORK_VM_BOOT_CACHE`` if it is a path, else
     ``<cache root>/boot-templates``."""
-    given = os.environ.get("GYM_FORK_VM_BOOT_CACHE", "")
+    given = knobs.read("GYM_FORK_VM_BOOT_CACHE")
     if os.sep in given:
         return Path(given)
     return cache_root() / "boot-templates"

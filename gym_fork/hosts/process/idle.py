@@ -30,11 +30,12 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gym_fork import knobs
 from gym_fork.errors import ControlMessageError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import child_state, fork, kill_child
 
-DEFAULT_SIZE = 2
+DEFAULT_SIZE = int(knobs.BY_NAME["GYM_FORK_IDLE_SANDBOXES"].default)
 # A lease the controller does not take within this long closes the lease channel.
 LEASE_SEND_TIMEOUT_S = 1.0
 # Leased idle sandboxes that may die unassigned before the warm parent stops leasing
@@ -47,7 +48,7 @@ TAKEN = b"T"
 def pool_size() -> int:
     """How many idle sandboxes a warm parent keeps (``GYM_FORK_IDLE_SANDBOXES``)."""
     try:
-        return max(0, min(16, int(os.environ.get("GYM_FORK_IDLE_SANDBOXES", DEFAULT_SIZE))))
+        return max(0, min(16, int(knobs.read("GYM_FORK_IDLE_SANDBOXES"))))
     except ValueError:
         return DEFAULT_SIZE
 

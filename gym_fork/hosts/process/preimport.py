@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gym_fork import knobs
 from gym_fork.system import vetted_imports
 from gym_fork.system.children import fork, kill_child, read_until_closed
 
@@ -36,13 +37,13 @@ MAX_REPORT_BYTES = 4 << 20
 
 def enabled() -> bool:
     """Whether warm parents pre-import env modules (``GYM_FORK_PREIMPORT``, default on)."""
-    return os.environ.get("GYM_FORK_PREIMPORT", "1") != "0"
+    return knobs.read("GYM_FORK_PREIMPORT") != "0"
 
 
 def budget() -> float:
     """Seconds the throw-away build may take (``GYM_FORK_PREIMPORT_SECONDS``, default 2):
     an env slower to build is not worth waiting for twice; its sandboxes import alone."""
-    return float(os.environ.get("GYM_FORK_PREIMPORT_SECONDS", "2"))
+    return float(knobs.read("GYM_FORK_PREIMPORT_SECONDS"))
 
 
 def preimport(
