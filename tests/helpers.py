@@ -244,14 +244,27 @@ def gym_fork_shm_files() -> set[str]:
 def gym_fork_cgroups() -> set[str]:
     from gym_fork.system.cgroups import leftover_groups
 
-    return leftover_groups()
+    return {g for g in leftover_groups() if _ours(os.path.basename(g), "gym_fork-")}
 
 
 def gym_fork_scratch_dirs() -> set[str]:
     import tempfile
 
     base = tempfile.gettempdir()
-    return {n for n in os.listdir(base) if n.startswith("gym_fork-scratch-")}
+    prefix = "gym_fork-scratch-"
+    return {n for n in os.listdir(base) if n.startswith(prefix) and _ours(n, prefix)}
+
+
+def _ours(name: str, prefix: str) -> bool:
+    """Alone, every gym_fork name on the machine is this suite's; beside other pytest-xdist
+    workers, only names whose tree id (the number after ``prefix``) is a tree this
+    process started (gym_fork.hosts.process.host.TREES_STARTED)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return True
+    from gym_fork.hosts.process.host import TREES_STARTED
+
+    tree_id = name[len(prefix) :].split("-", 1)[0]
+    return not tree_id.isdigit() or int(tree_id) in TREES_STARTED
 
 
 def wait_until(predicate, timeout: float = 3.0) -> bool:

@@ -122,3 +122,10 @@ def test_gymnasiums_vector_step_benchmark_becomes_figures(tmp_path: Path) -> Non
     for row in ("cartpole_x8", "slow100us_x8"):
         assert found[f"gymnasium_step.{row}.fork"]["value"] > 0
         assert found[f"gymnasium_step.{row}.fork_vs_sync"]["text"].endswith("x")
+
+
+def test_the_figures_are_what_the_stored_benchmark_output_gives() -> None:
+    """Nobody typed a figure in: each is re-derived from the JSON its benchmark wrote."""
+    results = figures.load()
+    assert set(results["raw"]) == set(results["runs"])
+    assert results["figures"] == figures.extracted(results), REDRAW

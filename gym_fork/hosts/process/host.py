@@ -48,6 +48,10 @@ from gym_fork.worker import protocol as P
 # Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
+
+# Host pids of every warm parent this process started: a tree's cgroups and scratch dirs
+# carry its id, so a leak check beside other processes' trees can tell its own apart.
+TREES_STARTED: set[int] = set()
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
@@ -102,6 +106,7 @@ class ProcessHost(SharedByBranches):
         self.sock, self.watch, self.process = zygote.start_warm_parent(
             config.start_timeout, config.isolation.pass_env
         )
+        TREES_STARTED.add(self.watch.pid)  # the tree's id: it isolates the tree
         # The pre-import is on whether or not sandboxes are trusted: the names a
         # throw-away sandbox reports select installed packages only, files no sandbox
         # can write (their read-only view of the host) and older than the build.
