@@ -41,7 +41,12 @@ def tmp_paths_readable_by_sandboxes(tmp_path_factory):
     tmp_path lies in /tmp/pytest-of-root, which only root may enter. Tests hand sandboxes
     files there as a user hands them a dataset: let other users in (not list)."""
     base = tmp_path_factory.getbasetemp()
-    for directory in (base.parent, base):
+    top = os.path.realpath(tempfile.gettempdir())
+    # Every level up to the temp dir: under pytest-xdist the base is one deeper
+    # (pytest-of-root/pytest-N/popen-gwK).
+    for directory in (base, *base.parents):
+        if os.path.realpath(directory) == top:
+            break
         _let_others_enter(directory)
     yield
 

@@ -26,6 +26,7 @@ def gym_fork_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_bench_tiny_writes_every_figure(tmp_path):
     out, plots = tmp_path / "bench.json", tmp_path / "plots"
     done = gym_fork_cli("bench", "--tiny", "--json", str(out), "--plots", str(plots))

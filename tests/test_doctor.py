@@ -74,6 +74,7 @@ def test_doctor_writes_nothing_under_a_fresh_home_and_its_json_parses(tmp_path):
     assert seconds < DEADLINE_S
 
 
+@pytest.mark.slow  # 2.0 s here
 def test_doctor_reports_what_an_image_would_cost_without_building_it(tmp_path):
     """With a kernel and an existing cache (an image and a boot template of an older
     environment in it): the image is planned, not built, and nothing in the cache changes
@@ -151,6 +152,7 @@ def test_image_clear_cache_removes_images_and_says_how_much_it_freed(tmp_path, c
     assert list((cache / "images").iterdir()) == []
 
 
+@pytest.mark.slow  # 1.7 s here
 def test_image_show_plans_without_building(tmp_path):
     try:
         kernel = find_kernel()

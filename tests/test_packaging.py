@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds an sdist and a wheel, installs one in a fresh venv
+
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = ("--no-deps", "--no-index", "-q")
 

@@ -96,6 +96,7 @@ def test_a_figure_the_file_lacks_renders_as_na_not_as_a_number() -> None:
     assert "n/a" in drawn and "CartPole-v1 x8 | 1.00x | n/a |" in drawn
 
 
+@pytest.mark.slow
 def test_gym_fork_bench_json_becomes_the_round_trip_figures(tmp_path: Path) -> None:
     """The extractor reads what the benchmark writes today (run as a user runs it)."""
     out = tmp_path / "bench.json"
@@ -112,6 +113,7 @@ def test_gym_fork_bench_json_becomes_the_round_trip_figures(tmp_path: Path) -> N
         assert found[key]["value"] > 0 and found[key]["text"].endswith(" us"), found[key]
 
 
+@pytest.mark.slow
 def test_gymnasiums_vector_step_benchmark_becomes_figures(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     script = ROOT / "benchmarks" / "gymnasium_step.py"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("mypy", reason="needs the test extra (mypy)")
+pytestmark = pytest.mark.slow  # runs mypy over the package
 
 ROOT = Path(__file__).resolve().parents[1]
 # A cold run takes ~25 s here (2 cores); a machine 3x slower stays well inside this.

@@ -175,6 +175,7 @@ def missing_layers(config: VectorConfig, isolation: dict[str, Any]) -> dict[str,
     if not config.isolation.namespaces:  # every layer made of namespaces is declined
         chosen |= {"namespaces", "mount", "uts", "net", "pid", "ipc", "proc", "private_tmp"}
         chosen |= {"sandbox_mount", "read_only_host", "minimal_dev", "identity"}
+        chosen.add("warm_parent_read_only_host")  # its view is a mount in its pid ns
     if config.host == "inline":
         chosen.add("process")
     return {k: v for k, v in isolation.get("missing", {}).items() if k not in chosen}

@@ -14,6 +14,7 @@ pytest.importorskip("torch", reason="the CleanRL example needs torch (the test e
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ppo_cleanrl.py"
 
 
+@pytest.mark.slow
 def test_short_run_prints_branch_evaluations():
     args = ["--total-timesteps", "3072", "--num-envs", "4", "--num-steps", "128"]
     proc = subprocess.run(

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the documentation site with mkdocs
+
 pytest.importorskip("mkdocs", reason="needs the docs extra (mkdocs)")
 pytest.importorskip("material", reason="needs the docs extra (mkdocs-material)")
 pytest.importorskip("mkdocstrings_handlers.python", reason="needs mkdocstrings[python]")

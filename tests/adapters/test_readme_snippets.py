@@ -18,6 +18,7 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 2
 
 
+@pytest.mark.slow  # 2.6 s here
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_a_readme_block_runs_as_pasted(index, tmp_path):
     script = tmp_path / f"readme_block_{index}.py"

@@ -122,6 +122,7 @@ def test_unbatch_infos_follows_masks():
     assert type(got[0]["a"]) is int and type(got[1]["ep"]["r"]) is float
 
 
+@pytest.mark.slow  # 3.8 s here
 @pytest.mark.parametrize("make_env", [short_cartpole, dict_env], ids=["cartpole", "dict"])
 def test_steps_match_dummy_vec_env(make_env, closing):
     fork = closing(ForkVecEnv([make_env] * N))
@@ -146,6 +147,7 @@ def test_wrapping_an_existing_vector_env_in_other_autoreset_modes(mode, closing)
         ForkVecEnv(fork.vector_env, copy=False)
 
 
+@pytest.mark.slow  # 2.5 s here
 def test_sub_env_access(closing):
     # trusted=True: get_attr("add") returns a bound method, which only travels pickled.
     fork = closing(ForkVecEnv([counting_env] * N, trusted=True))
@@ -179,6 +181,7 @@ def test_sub_env_access(closing):
     assert_same(fork.render(), dummy.render(), "tiled render")
 
 
+@pytest.mark.slow  # 4.0 s here
 def test_monitor_is_seen_through_the_bridge(closing):
     fork = closing(ForkVecEnv([short_cartpole] * 2))
     assert fork.env_is_wrapped(Monitor) == [True, True]
@@ -197,6 +200,7 @@ def test_monitor_is_seen_through_the_bridge(closing):
     ],
     ids=["VecMonitor", "VecFrameStack", "VecNormalize", "stacked"],
 )
+@pytest.mark.slow  # 6.5 s here
 def test_under_sb3_wrappers(wrap, closing):
     fork = closing(wrap(ForkVecEnv([short_cartpole] * N)))
     dummy = closing(wrap(DummyVecEnv([short_cartpole] * N)))
@@ -230,6 +234,7 @@ def test_fork_replays_exactly(closing):
     assert branch.env_method("add", 1, indices=[0]) == [source.env_method("add", 1)[1]]
 
 
+@pytest.mark.slow  # 1.8 s here
 def test_make_vec_env_builds_it(closing):
     env = closing(make_vec_env("CartPole-v1", n_envs=2, seed=5, vec_env_cls=ForkVecEnv))
     assert isinstance(env, ForkVecEnv) and env.env_is_wrapped(Monitor) == [True, True]
@@ -305,6 +310,7 @@ def _stepped(env: VecEnv, steps: int, seed: int = 0) -> VecEnv:
     return env
 
 
+@pytest.mark.slow  # 1.8 s here
 def test_fork_through_vec_normalize_carries_its_statistics(closing):
     source = closing(_stepped(VecNormalize(ForkVecEnv([short_cartpole] * N)), 9))
     branch = closing(source.fork("normalised", indices=[-1, 0]))
@@ -333,6 +339,7 @@ def test_fork_through_vec_normalize_carries_its_statistics(closing):
     assert source.obs_rms.count == count and branch.obs_rms.count == count + 2
 
 
+@pytest.mark.slow  # 1.7 s here
 def test_fork_through_vec_frame_stack_carries_the_stacked_frames(closing):
     source = closing(_stepped(VecFrameStack(ForkVecEnv([short_cartpole] * N), n_stack=3), 5))
     branch = closing(source.fork("stacked", indices=[2], copies=2))
@@ -348,6 +355,7 @@ def test_fork_through_vec_frame_stack_carries_the_stacked_frames(closing):
         assert b_dones.tolist() == [dones[2]] * 2
 
 
+@pytest.mark.slow  # 1.9 s here
 def test_fork_through_stacked_wrappers_and_fork_wrapped(closing):
     from gym_fork.sb3 import fork_wrapped
 
@@ -377,6 +385,7 @@ class _MyNormalize(VecNormalize):
     """A subclass: it may hold state gym_fork does not know."""
 
 
+@pytest.mark.slow  # 2.6 s here
 @pytest.mark.parametrize("wrap", [VecMonitor, _MyNormalize], ids=["VecMonitor", "subclass"])
 def test_fork_through_another_wrapper_is_refused_by_name(wrap, closing):
     env = closing(wrap(VecNormalize(ForkVecEnv([counting_env] * 2))))

@@ -169,6 +169,7 @@ def test_stats_report_memory_per_sub_env():
         envs.close()
 
 
+@pytest.mark.slow  # 2.0 s here
 def test_doctor_reports_every_layer_and_exits_zero_here():
     out = subprocess.run(
         [sys.executable, "-m", "gym_fork", "doctor"], capture_output=True, text=True, timeout=60

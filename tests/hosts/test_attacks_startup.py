@@ -276,6 +276,7 @@ def cartpole():
     return gym.make("CartPole-v1")
 
 
+@pytest.mark.slow  # 4.5 s here
 def test_killing_the_zygote_while_threads_build_envs_leaves_nothing(monkeypatch):
     monkeypatch.setenv("PYTHONATTACKKEY", uuid.uuid4().hex)  # a zygote of this test's own
     zygote.prestart(wait=True)
@@ -315,6 +316,7 @@ def _zygote_key_is_current(pid: int) -> bool:
 
 # namespaces=False is left out: the idle sandboxes' scratch dirs outlive a SIGKILLed
 # warm parent there (see the report).
+@pytest.mark.slow  # 1.1 s here
 @pytest.mark.parametrize("namespaces", [True])
 def test_a_killed_warm_parent_with_idle_sandboxes_leaves_nothing(monkeypatch, namespaces):
     from gym_fork.system.isolation import SandboxLimits
@@ -339,6 +341,7 @@ def test_a_killed_warm_parent_with_idle_sandboxes_leaves_nothing(monkeypatch, na
     assert wait_until(lambda: gym_fork_cgroups() <= cgroups_before, 10.0)
 
 
+@pytest.mark.slow  # 1.6 s here
 def test_a_forked_controller_builds_envs_through_a_zygote_of_its_own():
     with contextlib.closing(ForkVectorEnv([cartpole])) as envs:
         envs.reset(seed=0)
@@ -392,6 +395,7 @@ def _reap_or_kill(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow  # 1.3 s here
 def test_threads_building_envs_at_once_share_one_new_zygote(monkeypatch):
     monkeypatch.setenv("PYTHONATTACKKEY", uuid.uuid4().hex)  # no zygote exists for it yet
     before = {pid for pid, _ in zygote.running()}
@@ -433,6 +437,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # 6.2 s here
 @pytest.mark.parametrize("delay", [0.05, 0.3, 0.8])
 def test_a_controller_sigkilled_while_its_zygote_forks_leaves_nothing(delay):
     scratch_before, cgroups_before = gym_fork_scratch_dirs(), gym_fork_cgroups()
@@ -496,6 +501,7 @@ for fd in os.listdir("/proc/self/fd"):
 """
 
 
+@pytest.mark.slow  # 2.8 s here
 def test_the_throwaway_build_cannot_make_the_warm_parent_run_code_it_wrote():
     """The pre-import build (confined, no network) writes NAME.py into a directory on
     sys.path outside /tmp (a user's project dir, site-packages: root-writable) and
@@ -547,6 +553,7 @@ def test_the_throwaway_build_cannot_make_the_warm_parent_run_code_it_wrote():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow  # 1.2 s here
 @pytest.mark.parametrize("name", ["unittest.__main__", "venv.__main__"])
 def test_a_reported_name_cannot_run_a_program_or_kill_the_warm_parent(name, tmp_path):
     """Existing modules with import-time side effects: a ``__main__`` submodule runs
@@ -573,6 +580,7 @@ def test_a_reported_name_cannot_run_a_program_or_kill_the_warm_parent(name, tmp_
     assert "CONSTRUCTED" in out, out[-2000:]
 
 
+@pytest.mark.slow  # 1.4 s here
 def test_a_fork_of_the_controller_during_prestart_can_build_envs():
     """prestart() starts the zygote in a thread that holds zygote._registry_lock for
     the whole start (~0.3 s, more under load). A controller that forks meanwhile (a
@@ -641,6 +649,7 @@ def test_a_zygote_forked_warm_parent_has_the_controllers_current_process_state()
     assert lines["SANDBOX"] == lines["CONTROLLER"], out[-2000:]
 
 
+@pytest.mark.slow  # 5.7 s here
 def test_idle_sandboxes_scratch_dirs_do_not_outlive_a_sigkilled_warm_parent():
     """namespaces=False: each sandbox has a host scratch dir as TMPDIR. The controller
     removes a dead worker's (it learnt it from the HELLO), the warm parent an idle
@@ -672,6 +681,7 @@ def test_idle_sandboxes_scratch_dirs_do_not_outlive_a_sigkilled_warm_parent():
     assert "LEAKED []" in out, out[-2000:]
 
 
+@pytest.mark.slow  # 2.9 s here
 def test_a_daemon_of_the_throwaway_build_does_not_outlive_close_without_namespaces():
     """namespaces=False: the pre-import build (or any sandbox) double-forks a setsid
     daemon; the warm parent (a subreaper, not a pid-namespace init) kills only the

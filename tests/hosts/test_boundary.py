@@ -108,6 +108,7 @@ def trajectory(envs, actions_per_step):
     return np.array([envs.step(np.array(a))[0][:, 0] for a in actions_per_step])
 
 
+@pytest.mark.slow  # 1.2 s here
 def test_a_branch_and_its_source_diverge_as_separately_built_envs_do():
     """The env keeps its state at a fixed /tmp path: each branch and the source evolve
     exactly as a separately built env fed the same actions would."""
@@ -280,6 +281,7 @@ def test_a_refused_write_names_the_option_that_lifts_it():
         envs.close()
 
 
+@pytest.mark.slow  # 1.2 s here
 def test_user_namespace_nesting_has_a_fallback_that_says_so():
     """Deep chains of forks (tree search) keep working past the kernel's 32 nested user
     namespaces: the deepest clones share their source's mounts and say so."""

@@ -46,6 +46,7 @@ def _run(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_a_full_tmp_is_a_clear_error_at_the_layer_size():
     out = _run("""
         from gym_fork import ForkVectorEnv
@@ -68,6 +69,7 @@ def test_a_full_tmp_is_a_clear_error_at_the_layer_size():
     not os.access(f"{MEMORY_V1}/cgroup.procs", os.W_OK),
     reason="needs a writable cgroup v1 memory controller to confine the controller",
 )
+@pytest.mark.slow  # 1.4 s here
 def test_filling_tmp_without_limits_kills_the_sandbox_not_the_controller():
     group = f"{MEMORY_V1}/gym_fork_test_{uuid.uuid4().hex[:8]}"
     os.mkdir(group)

@@ -267,6 +267,7 @@ CONTROLLER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 2.1 s here
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_nothing_of_the_tree_survives_a_sigkilled_controller(where):
     """``thread``: built from a non-main thread by a controller that forked a child,

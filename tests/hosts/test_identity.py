@@ -152,6 +152,7 @@ _SCRUBBED = textwrap.dedent(
         ({"pass_env": True}, {"PATH", "MY_SETTING", "AWS_SECRET_ACCESS_KEY", "DATABASE_URL"}),
     ],
 )
+@pytest.mark.slow  # 1.1 s here
 def test_the_controllers_environment_is_scrubbed_as_a_fresh_process_starts_it(kwargs, passed):
     env = dict(os.environ, AWS_SECRET_ACCESS_KEY="k3y", DATABASE_URL="pg://u:pw@h/db")
     env["MY_SETTING"] = "1"

@@ -41,6 +41,7 @@ def test_sub_envs_run_in_the_controllers_own_process_and_no_process_is_made():
         envs.close()
 
 
+@pytest.mark.slow  # 3.0 s here
 def test_inline_from_parent_rebuilds_the_prepared_env_for_each_sandbox():
     calls = []
 

@@ -134,6 +134,7 @@ def test_the_memory_limit_fails_the_allocation_with_a_clear_error():
         envs.close()
 
 
+@pytest.mark.slow  # 1.5 s here
 def test_the_cpu_limit_kills_the_sandbox_and_says_so():
     envs = sandboxes(1, limits=SandboxLimits(cpu_seconds=1))
     try:

@@ -352,6 +352,7 @@ def run_controller(code: str, env: dict[str, str], *args: str) -> tuple[dict, st
     return json.loads(out.strip().splitlines()[-1]), err, proc.pid
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_a_warm_parent_serves_with_its_fds_above_1023():
     env = dict(os.environ, GYM_FORK_ZYGOTE="0", GYM_FORK_IDLE_SANDBOXES="2")
     report, err, _ = run_controller(FD_SCRIPT, env, "1400")
@@ -367,6 +368,7 @@ def test_a_warm_parent_serves_with_its_fds_above_1023():
     assert "Traceback" not in err, err[-3000:]
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_a_zygote_serves_a_controller_whose_fds_are_above_1023():
     env = dict(os.environ, GYM_FORK_ZYGOTE="1", GYM_FORK_IDLE_SANDBOXES="2")
     report, err, _ = run_controller(FD_SCRIPT, env, "1400")
@@ -403,6 +405,7 @@ def started(envs: ForkVectorEnv) -> None:
         envs.step(TWO)
 
 
+@pytest.mark.slow  # 1.4 s here
 def test_a_reset_after_the_warm_parent_died_clones_a_new_one_and_leaks_nothing(tmp_path):
     leaks = Leaks()
     envs = ForkVectorEnv.from_parent(cartpole, 2, seed=0, lineage_log=tmp_path / "log.jsonl")
@@ -530,6 +533,7 @@ HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 2.7 s here
 def test_a_reset_while_the_warm_parent_is_dying_recovers():
     envs = ForkVectorEnv.from_parent(cartpole, 2, seed=0, lineage_log=False)
     holder = None

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from gym_fork.hosts.output import _Echo
 
 LOUD_CONTROLLER = textwrap.dedent(
@@ -41,6 +43,7 @@ LOUD_CONTROLLER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_a_stalled_controller_stdout_blocks_neither_step_nor_close(tmp_path):
     marker = tmp_path / "done"
     # stdout is a pipe this test never reads: it fills after 64 KiB.

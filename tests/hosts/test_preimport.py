@@ -100,6 +100,7 @@ def built_before(fns, **kwargs) -> list[bool]:
         envs.close()
 
 
+@pytest.mark.slow  # 1.3 s here
 def test_sandboxes_find_the_env_modules_imported_by_their_warm_parent():
     assert built_before([lazy_env] * 3) == [True] * 3
     # A later vector env of the same env_fns: imported from the controller's record.
@@ -111,6 +112,7 @@ def test_preimport_off_leaves_imports_to_each_sandbox(monkeypatch):
     assert built_before([lazy_env] * 2) == [False] * 2
 
 
+@pytest.mark.slow  # 1.0 s here
 def test_an_env_too_slow_to_build_twice_is_not_waited_for(monkeypatch):
     monkeypatch.setenv("GYM_FORK_PREIMPORT_SECONDS", "0.1")
     assert built_before([slow_lazy_env] * 2) == [False] * 2

@@ -55,6 +55,7 @@ def test_escaping_keeps_newlines_and_tabs_and_sees_characters_split_across_chunk
         assert escaper(data[:cut]) + escaper(data[cut:]) == (ESCAPED + " é\n").encode()
 
 
+@pytest.mark.slow  # 1.8 s here
 def test_errors_quote_a_hostile_sandboxs_output_and_strings_escaped():
     envs = ForkVectorEnv([HostileTerminalEnv], timeout=1.0)
     try:
@@ -133,6 +134,7 @@ def _run_controller(terminal: str) -> tuple[bytes, bytes]:
     return got[master], got[pipe]
 
 
+@pytest.mark.slow  # 2.4 s here
 @pytest.mark.parametrize("terminal", ["stdout", "stderr"])
 def test_the_echo_escapes_on_a_terminal_and_keeps_the_bytes_on_a_pipe(terminal):
     on_terminal, on_pipe = _run_controller(terminal)

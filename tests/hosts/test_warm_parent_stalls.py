@@ -120,6 +120,7 @@ def test_a_refill_whose_fork_fails_does_not_end_the_warm_parent(monkeypatch):
     assert not thread.is_alive()
 
 
+@pytest.mark.slow  # 1.0 s here
 def test_a_reply_trickled_by_the_warm_parent_cannot_hold_the_controller_past_its_timeout():
     """receive_reply waited ``timeout`` for the first byte only; the control socket has
     no timeout, so a warm parent that wrote one byte of its Spawned and stopped held the

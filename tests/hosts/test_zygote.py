@@ -75,6 +75,7 @@ def test_a_sandbox_sees_the_controller_environment_of_its_construction(monkeypat
         assert envs.call("variable", "ZYGOTE_TEST_VALUE") == (None,)
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_a_changed_startup_variable_gets_a_new_zygote_and_the_old_one_retires(monkeypatch):
     old_envs = ForkVectorEnv([cartpole])
     try:
@@ -94,6 +95,7 @@ def test_a_changed_startup_variable_gets_a_new_zygote_and_the_old_one_retires(mo
     assert wait_until(lambda: not alive({old}), 3.0), "a retired zygote outlived its last env"
 
 
+@pytest.mark.slow  # 2.1 s here
 def test_a_killed_zygote_takes_its_trees_down_and_the_next_env_gets_a_new_one():
     envs = ForkVectorEnv([cartpole])
     try:
@@ -133,6 +135,7 @@ def test_prestart_makes_the_zygote_the_first_vector_env_uses(monkeypatch):
         assert zygote_of(envs) in started
 
 
+@pytest.mark.slow  # 1.4 s here
 def test_one_zygote_serves_vector_envs_made_one_after_the_other():
     # gym_fork sets variables of its own at run time (GYM_FORK_SCRATCH_BASE at the first
     # close): none of them may make the next vector env start a zygote of its own.
@@ -144,6 +147,7 @@ def test_one_zygote_serves_vector_envs_made_one_after_the_other():
     assert len(used) == 1 and None not in used
 
 
+@pytest.mark.slow  # 1.3 s here
 def test_a_failed_fork_falls_back_and_spares_the_zygotes_other_warm_parents(monkeypatch):
     with contextlib.closing(ForkVectorEnv([cartpole])) as first:
         first.reset(seed=0)

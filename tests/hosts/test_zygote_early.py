@@ -87,6 +87,7 @@ def test_the_lineage_command_starts_no_zygote(tmp_path):
     assert not marked_processes(pid)
 
 
+@pytest.mark.slow  # 1.1 s here
 def test_the_first_vector_env_uses_the_zygote_started_at_the_lookup():
     found, pid = run_fresh(
         "import gymnasium as gym\n"
@@ -116,6 +117,7 @@ def test_an_unused_early_zygote_is_gone_when_its_process_exits():
     assert not alive(found["early"]) and not marked_processes(pid)
 
 
+@pytest.mark.slow  # 1.2 s here
 def test_an_unused_early_zygote_gives_way_when_the_start_up_inputs_change():
     found, _ = run_fresh(
         "import gymnasium as gym\n"

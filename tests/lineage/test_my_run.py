@@ -59,6 +59,7 @@ def lineage(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow  # 2.4 s here
 def test_two_runs_the_default_shows_the_latest_and_options_choose(tmp_path, capsys):
     log = tmp_path / "lineage.jsonl"
     run_script(tmp_path, "first", log)
@@ -94,6 +95,7 @@ def test_two_runs_the_default_shows_the_latest_and_options_choose(tmp_path, caps
     assert "first-root" not in text and "1 run(s): 1 tree(s)" in text
 
 
+@pytest.mark.slow  # 1.8 s here
 def test_a_vector_env_log_rotates_by_the_environment_variable(tmp_path, capsys):
     log = tmp_path / "lineage.jsonl"
     run_script(tmp_path, "first", log)
@@ -217,6 +219,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow  # 1.0 s here
 def test_a_run_killed_with_sigkill_is_not_shown_open(tmp_path, capsys):
     """Its vector env was never closed, and never will be: the tree says its process
     is gone instead of [open] (a living run's open env stays [open])."""

@@ -16,3 +16,13 @@ def pytest_configure(config):
         "leaks_checked_inside: the test (or its module fixture) checks for leftover "
         "processes itself; the autouse per-test descendant check is skipped",
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test here starts a loopback Ray cluster: marked ``ray`` (the fast loop skips
+    them)."""
+    import pytest
+
+    for item in items:
+        if "tests/ray/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.ray)

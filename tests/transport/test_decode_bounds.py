@@ -100,6 +100,7 @@ def receive(record: bytes, *, trusted: bool, trace: bool = False):
 # -- the bound --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 12.4 s here
 @pytest.mark.parametrize("trusted", [False, True])
 @pytest.mark.parametrize("bomb", sorted(BOMBS))
 def test_a_decode_bomb_is_refused_before_it_is_built(bomb, trusted):
@@ -201,6 +202,7 @@ HONEST = {
 }
 
 
+@pytest.mark.slow  # 2.0 s here
 @pytest.mark.parametrize("name", sorted(HONEST))
 def test_honest_records_decode_as_before(name):
     value = HONEST[name]()
@@ -234,6 +236,7 @@ _values = st.recursive(
 )
 
 
+@pytest.mark.slow  # 2.2 s here
 @settings(max_examples=300, deadline=None)
 @given(_values)
 def test_the_walk_counts_every_value_exactly(value):

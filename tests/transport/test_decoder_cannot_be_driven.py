@@ -229,6 +229,7 @@ class Hostile(gym.Env):
 """
 
 
+@pytest.mark.slow  # 1.4 s here
 @pytest.mark.parametrize("action", [1, 2], ids=["nested tuples", "colliding keys"])
 def test_a_hostile_reply_is_that_sub_envs_error_in_a_living_controller(tmp_path, action):
     """As a user runs it: a training script whose env sends the reply; the script

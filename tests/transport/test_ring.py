@@ -144,6 +144,7 @@ def _checksummed(i: int) -> bytes:
     return struct.pack("<QI", i, zlib.crc32(body)) + body
 
 
+@pytest.mark.slow  # 4.2 s here
 def test_two_processes_a_million_checksummed_records():
     region, w, r = make_pair(1 << 14)
     count = 1_000_000

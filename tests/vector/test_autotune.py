@@ -28,6 +28,7 @@ def test_auto_grouping_is_by_core_count_alone(monkeypatch):
     assert auto_envs_per_worker(8, "clone") == 1
 
 
+@pytest.mark.slow  # 1.9 s here
 def test_autotune_measures_every_candidate_and_recommends_the_fastest(capsys):
     lines: list[str] = []
     result = autotune(

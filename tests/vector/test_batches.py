@@ -151,6 +151,7 @@ def test_a_failing_sub_env_is_named_and_the_others_keep_their_results():
         envs.close()
 
 
+@pytest.mark.slow  # 2.2 s here
 def test_a_crash_and_a_hang_are_named_and_the_finished_results_are_kept():
     crash = [lambda: UnevenEnv(fail_at=1, how="exit")]
     hang = [lambda: UnevenEnv(fail_at=1, how="hang")]

@@ -59,6 +59,7 @@ def steps_of(envs, actions):
     return [np.array(x) for x in out[:4]]
 
 
+@pytest.mark.slow  # 2.2 s here
 @pytest.mark.parametrize("name", list(REPLAY_ENVS))
 def test_a_branch_replays_its_source_exactly_and_diverges_when_reseeded(name):
     make, n_actions, steps = REPLAY_ENVS[name]
@@ -156,6 +157,7 @@ def test_branches_outlive_their_source_and_close_in_any_order():
         b2.close()
 
 
+@pytest.mark.slow  # 1.3 s here
 def test_nested_forks_to_depth_five_and_a_fan_out_of_64():
     envs = ForkVectorEnv([cartpole], lineage_log=False)
     chain = [envs]
@@ -300,6 +302,7 @@ def test_provenance_is_queryable_and_logged(tmp_path):
     assert "child from [1] x3" in tree and "grandchild from [2] x1" in tree
 
 
+@pytest.mark.slow  # 1.5 s here
 def test_the_baseline_id_changes_with_what_the_ready_point_depends_on():
     ids = []
     for seed, fn in itertools.product((1, 2), (cartpole, frozen_lake)):

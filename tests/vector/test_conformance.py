@@ -170,6 +170,7 @@ def test_copy_false_returns_the_shared_buffer_and_copy_true_does_not():
 MIN_LONG_STEPS, MAX_LONG_STEPS, LONG_RUN_S = 200, 1000, 2.0
 
 
+@pytest.mark.slow  # 2.2 s here
 @pytest.mark.parametrize("envs_per_worker", [1, 3, 8])
 def test_cartpole_matches_sync_over_a_long_run(envs_per_worker):
     import gymnasium as gym

@@ -60,6 +60,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # 2.9 s here
 @pytest.mark.parametrize("phase", ["step", "reset"])
 @pytest.mark.parametrize("kind", list(EXPECTED))
 def test_one_failing_sub_env(kind, phase):

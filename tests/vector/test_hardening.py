@@ -38,6 +38,7 @@ def recording_fns(n: int, slow_index: int = 1, slow: float = 1.0):
     return [(lambda i=i: RecordingEnv(i, slow if i == slow_index else 0.0)) for i in range(n)]
 
 
+@pytest.mark.slow  # 3.9 s here
 @pytest.mark.parametrize("envs_per_worker", [1, 2, "auto"])
 def test_a_late_step_acts_on_its_own_actions_not_on_the_next_ones(envs_per_worker):
     envs = ForkVectorEnv(recording_fns(4), envs_per_worker=envs_per_worker)
@@ -121,6 +122,7 @@ def _hangs_forever():
     time.sleep(3600)
 
 
+@pytest.mark.slow  # 3.2 s here
 def test_the_constructor_honours_timeout_when_an_env_fn_never_returns():
     started = time.perf_counter()
     with pytest.raises(SubEnvTimeout, match="building the sub-envs"):
@@ -128,6 +130,7 @@ def test_the_constructor_honours_timeout_when_an_env_fn_never_returns():
     assert time.perf_counter() - started < 5.0
 
 
+@pytest.mark.slow  # 6.0 s here
 def test_from_parent_honours_timeout_when_the_warmup_never_returns(monkeypatch):
     from gym_fork.vector import config
 

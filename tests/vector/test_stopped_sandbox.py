@@ -133,6 +133,7 @@ def closing_on_error(envs):
     envs.close()
 
 
+@pytest.mark.slow  # 2.1 s here
 def test_a_sibling_stopped_once_is_resumed_named_and_the_step_returns(monkeypatch):
     monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "0")
     with vector_env([stopper] * 2, envs_per_worker=1, lineage_log=False) as envs:
@@ -159,6 +160,7 @@ def test_a_sibling_stopped_once_is_resumed_named_and_the_step_returns(monkeypatc
         assert envs.worker_pids[1] == victim
 
 
+@pytest.mark.slow  # 4.8 s here
 def test_a_sibling_stopped_again_and_again_fails_the_step_naming_it_and_the_suspects(
     monkeypatch,
 ):
@@ -189,6 +191,7 @@ def test_a_sibling_stopped_again_and_again_fails_the_step_naming_it_and_the_susp
         assert envs.worker_pids[0] == pids[0] and envs.worker_pids[1] != pids[1]
 
 
+@pytest.mark.slow  # 1.6 s here
 def test_timeout_errors_name_the_tree_and_who_is_stopped(monkeypatch):
     monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "0")
     with vector_env([stopper] * 2, envs_per_worker=1, timeout=1.0, lineage_log=False) as envs:
