@@ -284,6 +284,27 @@ def fork_sibling() -> tuple[int, int]:
     return pid, pidfd
 
 
+def live_children() -> list[tuple[int, str]]:
+    """(pid, command name) of this process's children that have not exited (zombies
+    left out), from /proc; empty where /proc cannot tell."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read(4096)
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        comm, _, rest = stat.partition(b" (")[2].rpartition(b") ")
+        fields = rest.split()
+        if len(fields) >= 2 and fields[1] == str(me).encode() and fields[0] != b"Z":
+            found.append((int(entry), comm.decode("utf-8", "replace")))
+    return sorted(found)
+
+
 def has_threads() -> bool:
     """True unless this process has one thread only (unknown: threaded, the safe side)."""
     try:

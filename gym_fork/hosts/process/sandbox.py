@@ -43,6 +43,7 @@ from gym_fork.system.linux import (
     can_fork_sibling,
     die_with_parent,
     has_threads,
+    live_children,
     wait_readable,
 )
 from gym_fork.system.scratch import remove_scratch
@@ -231,6 +232,22 @@ def rehearse(
 # -- forking clones (FORK) -------------------------------------------------------------
 
 
+def refuse_child_processes() -> None:
+    """A fork on the process host clones the env's own process only: a shell or an
+    interpreter the env started and talks to would be shared by the source and every
+    clone (each writing to its stdin, reading its answers). Refused, naming them and
+    the host that clones them too."""
+    children = live_children()
+    if children:
+        named = ", ".join(f"{name} (pid {pid})" for pid, name in children[:8])
+        raise RuntimeError(
+            f"fork: this sub-env's process has {len(children)} child process(es) of its own "
+            f"({named}); a fork on the process host clones only the env's process, so its "
+            "branches would share them with the source. host='microvm' clones the whole "
+            "machine, child processes included; or end them before forking"
+        )
+
+
 @dataclass
 class _Clone:
     slot: SubEnvSlot
@@ -264,6 +281,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     clones = arg["clones"]
     handed, fds = M.receive(worker.sock, M.CloneFds)
     try:
+        refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
             raise RuntimeError(f"fork: fds for {handed.clones} clones, {len(clones)} asked")
