@@ -122,7 +122,7 @@ def search(depth: int = 3, width: int = 2) -> tuple[float, list[str]]:
     root.reset(seed=0)
     beam: list[tuple[float, list[str], ForkVectorEnv]] = [(0.0, [], root)]
     try:
-        for level in range(depth):
+        for _ in range(depth):
             children: list[tuple[float, list[str], ForkVectorEnv]] = []
             for total, commands, envs in beam:
                 branch = envs.fork(next(names), copies=len(CANDIDATES))
