@@ -15,6 +15,7 @@ Run it on a quiet machine: nothing else stepping envs (the load is recorded per 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -121,7 +122,7 @@ def measure(name: str, argv: list[str], out: str) -> tuple[dict, dict]:
     print(f"[{name}] load {load_before[0]:.2f}: {shown(argv)}", flush=True)
     started = time.monotonic()
     subprocess.run(argv, cwd=tempfile.gettempdir(), check=True, stdout=subprocess.DEVNULL)
-    found = figures.json.loads(Path(out).read_text())
+    found = json.loads(Path(out).read_text())
     about = {
         "command": shown(argv),
         "date": time.strftime("%Y-%m-%d %H:%M %z"),

@@ -49,8 +49,9 @@ from gym_fork.worker import protocol as P
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
 
-# Host pids of every warm parent this process started: a tree's cgroups and scratch dirs
-# carry its id, so a leak check beside other processes' trees can tell its own apart.
+# The id of every tree this process started (the host pid of the process that isolates
+# it, the warm parent's parent): its cgroups and scratch dirs carry that id, so a leak
+# check beside other processes' trees can tell its own apart.
 TREES_STARTED: set[int] = set()
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
