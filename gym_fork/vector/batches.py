@@ -71,14 +71,17 @@ def check_ids(env: Any, batches: Batches, env_ids: Any, count: int | None) -> li
             raise ValueError(f"env_ids must be sub-env indices in [0, {env.num_envs}), got {bad}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"env_ids repeat a sub-env: {ids}")
-    taken = [i for i in ids if i in batches.running or any(d[0] == i for d in batches.done)]
-    if taken:
-        raise ValueError(
-            f"sub-env(s) {taken} still owe a result: recv() it before sending them again"
-        )
+    check_free(batches, ids, "sending them again")
     if count is not None and count != len(ids):
         raise BadActionError(f"{count} actions for {len(ids)} env_ids {ids}")
     return ids
+
+
+def check_free(batches: Batches, ids: Any, what: str) -> None:
+    """ValueError naming those of ``ids`` that are running or owe a result."""
+    taken = [i for i in ids if i in batches.running or any(d[0] == i for d in batches.done)]
+    if taken:
+        raise ValueError(f"sub-env(s) {taken} still owe a result: recv() it before {what}")
 
 
 def actions_for(env: Any, actions: Any, count: int) -> list[Any]:
@@ -209,9 +212,11 @@ class BatchMode(AsyncFrontEnd):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Batch mode: reset every sub-env (or ``options["reset_mask"]``'s) without
-        waiting; :meth:`recv` returns them as they finish (reward 0, not done)."""
+        waiting; :meth:`recv` returns them as they finish (reward 0, not done). Other
+        sub-envs may still be running a :meth:`send` (the reset ones must be free)."""
         batches = self._batch_mode("async_reset")
-        seeds, options, mask = self._plan_reset(seed, options)
+        seeds, options, mask = self._plan_reset(seed, options, beside_sends=True)
+        check_free(batches, [i for i in range(self.num_envs) if mask[i]], "resetting them")
         self.sandboxes.replace_dead()
         if self.config.reset_mode == "clone":
             self.sandboxes.reset_by_clone(mask)
@@ -247,6 +252,27 @@ class BatchMode(AsyncFrontEnd):
         try:
             wait(self, batches, timeout)
             return take(self, batches)
+        finally:
+            if not batches.busy():
+                self._state = AsyncState.DEFAULT
+
+    def _recv_one(self, timeout: float) -> tuple[int, Any] | None:
+        """Batch mode with ``batch_size=1`` (gym_fork/aio.py): the next finished sub-env's
+        index and its ``recv`` result (or the exception its call raised), None when none
+        finished within ``timeout`` s or none is running."""
+        batches = self._batch_mode("recv")
+        if self._state is not SENDING or not batches.busy():
+            return None
+        try:
+            try:
+                wait(self, batches, timeout)
+            except multiprocessing.TimeoutError:
+                return None
+            index = batches.done[0][0]
+            try:
+                return index, take(self, batches)
+            except Exception as exc:  # the sub-env's own error: its caller's to raise
+                return index, exc
         finally:
             if not batches.busy():
                 self._state = AsyncState.DEFAULT

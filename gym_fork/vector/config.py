@@ -244,7 +244,7 @@ class VectorConfig:
             self,
             num_envs=len(sources),
             envs_per_worker=1,
-            batch_size=None,
+            batch_size=None if self.batch_size is None else min(self.batch_size, len(sources)),
             origins=tuple(self.origins[i] for i in sources),
         )
 

@@ -30,7 +30,7 @@ from gym_fork.transport.channel import DEFAULT_RING_BYTES
 from gym_fork.worker import protocol as P
 
 from . import provenance
-from .batches import Batches, BatchMode
+from .batches import Batches, BatchMode, check_free
 from .branching import check_shared_memory_policy, clone_sandboxes, warn_shared_with_source
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
 from .faults import WaitTimeout
@@ -403,7 +403,9 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         (an int: seed + j for branch sub-env j; or one seed per branch sub-env) gives
         clones their own randomness; without it a branch stepped with the source's actions
         replays the source exactly. Branches can be forked again, closed in any order,
-        and outlive their source. ``branch_id`` must be new in this lineage tree.
+        and outlive their source. ``branch_id`` must be new in this lineage tree. In batch
+        mode the forked sub-envs must be free (others may be running a ``send``), and the
+        branch is in batch mode too.
 
         A fork does not copy an env's MAP_SHARED memory (``mmap.mmap(-1, n)``,
         multiprocessing's RawArray and Value): a branch keeps sharing it with its source,
@@ -413,7 +415,12 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         ForkUnsafeError, naming it, before any clone is made.
         """
         check_shared_memory_policy(shared_memory)
-        plan = self._plan_fork(branch_id, indices, copies, reseed, held=live_sandboxes())
+        batches = self._batches
+        plan = self._plan_fork(
+            branch_id, indices, copies, reseed, held=live_sandboxes(), beside_sends=bool(batches)
+        )
+        if batches is not None:  # batch mode: other sub-envs may be running a send
+            check_free(batches, plan.indices, "forking them")
         source = Opened(
             self.sandboxes,
             self.spaces,

@@ -210,12 +210,15 @@ class AsyncFrontEnd:
         )
 
     def _plan_reset(
-        self, seed: Any, options: dict[str, Any] | None
+        self, seed: Any, options: dict[str, Any] | None, beside_sends: bool = False
     ) -> tuple[list[int | None], dict[str, Any] | None, np.ndarray]:
-        """reset_async's checks, in AsyncVectorEnv's order: (seeds, options, mask)."""
+        """reset_async's checks, in AsyncVectorEnv's order: (seeds, options, mask).
+        ``beside_sends`` (batch mode): other sub-envs may be running; the caller checks
+        that the reset ones are free."""
         self._assert_is_running()
         seeds = seeds_per_env(seed, self.num_envs)
-        self._assert_idle("reset_async")
+        if not beside_sends:
+            self._assert_idle("reset_async")
         options, mask = reset_mask(options, self.num_envs)
         return seeds, options, mask
 
@@ -226,10 +229,20 @@ class AsyncFrontEnd:
         return values
 
     def _plan_fork(
-        self, branch_id: Any, indices: Any, copies: Any, reseed: Any, held: int = 0
+        self,
+        branch_id: Any,
+        indices: Any,
+        copies: Any,
+        reseed: Any,
+        held: int = 0,
+        beside_sends: bool = False,
     ) -> ForkPlan:
-        """fork's checks: open, idle, arguments, and a branch id new in the tree."""
-        self._begin("fork")
+        """fork's checks: open, idle (``beside_sends``, batch mode: other sub-envs may be
+        running; the caller checks that the forked ones are free), arguments, and a
+        branch id new in the tree."""
+        self._assert_is_running()
+        if not beside_sends:
+            self._assert_idle("fork", ".")
         plan = plan_fork(branch_id, indices, copies, reseed, self.num_envs, held)
         assert self._lineage is not None  # an open env has its lineage
         self._lineage.tree.check_free(plan.branch_id)

@@ -119,8 +119,8 @@ def test_misuse_is_named():
         envs.async_reset(seed=0)
         with pytest.raises(AlreadyPendingCallError, match="recv"):
             envs.step(np.zeros(NUM_ENVS, dtype=np.int64))
-        with pytest.raises(AlreadyPendingCallError):
-            envs.fork("not-now")
+        with pytest.raises(ValueError, match=r"\[0, 1, 2, 3\] still owe a result.*forking"):
+            envs.fork("not-now")  # the forked sub-envs must be free
         with pytest.raises(ValueError, match="still owe a result"):
             envs.send(np.zeros(1, dtype=np.int64), [0])
         with pytest.raises(ValueError, match="sub-env indices"):
@@ -172,3 +172,29 @@ def test_a_crash_and_a_hang_are_named_and_the_finished_results_are_kept():
         assert sorted(envs.recv()[4]["env_id"].tolist()) == list(range(NUM_ENVS))
     finally:
         envs.close()
+
+
+def test_free_sub_envs_reset_and_fork_while_others_still_run_a_send():
+    envs = ForkVectorEnv(
+        [lambda: UnevenEnv(fail_at=1, how="hang"), lambda: UnevenEnv()], batch_size=1
+    )
+    try:
+        envs.async_reset(seed=[0, 1])
+        taken = {int(envs.recv(timeout=10)[4]["env_id"][0]) for _ in range(2)}
+        assert taken == {0, 1}
+        envs.send(np.array([0]), [0])  # sub-env 0 hangs in its step
+        envs.async_reset(seed=[None, 5], options={"reset_mask": np.array([False, True])})
+        obs, *_rest, infos = envs.recv(timeout=10)
+        assert list(infos["env_id"]) == [1]
+        with pytest.raises(ValueError, match=r"\[0\] still owe a result.*resetting"):
+            envs.async_reset(options={"reset_mask": np.array([True, False])})
+        branch = envs.fork("beside-a-send", indices=[1], copies=2)
+        try:
+            assert branch.batch_size == 1
+            branch.send(np.array([1, 1]), [0, 1])
+            got = [branch.recv(timeout=10) for _ in range(2)]
+            np.testing.assert_array_equal(got[0][0], got[1][0])  # two exact copies
+        finally:
+            branch.close()
+    finally:
+        envs.close(terminate=True)
