@@ -1,0 +1,229 @@
+"""Branching an agent's workspace: fork + first step against copying it (``cp -a``).
+
+    .venv/bin/python benchmarks/agent_workspace.py [--rounds 3] [--json OUT]
+
+The env is examples/agent_workspace.py's ``WorkspaceEnv`` (a Text env of files and
+commands). Its source sandbox first writes a workspace into its private /tmp: empty, or
+``--mb`` MB in ``--files`` files (default 200 MB, 10,000 files) under ``bulk/``. Then:
+
+  fork       ``fork(indices=[0], copies=k)`` of the running source + one step of every
+             copy ("ls"): the time to the branches' first step, and the fork call alone
+             (the source waits that long: its clones copy its /tmp layer meanwhile)
+  cp -a      what a user does without a fork: k fresh sandboxes (clones of the warm
+             parent, ``reset_mode="clone"``) whose reset copies the same workspace with
+             ``cp -a --no-preserve=ownership`` (a sandbox maps no other uid) from the
+             host's /tmp, + one step of each
+
+Each (contender, k) runs in a fresh interpreter, contenders interleaved, ``--rounds``
+rounds; a run's figure is the median of its repetitions, the report gives the median of
+the rounds with their min-max, and the load before and after each round. The full
+workspace is not forked 64 times: 64 copies of its layer would be 12.8 GB of tmpfs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+sys.path.insert(0, EXAMPLES)
+
+# (contender, copies, full workspace?) in the order a round runs them.
+MATRIX = (
+    ("fork", 1, False),
+    ("fork", 1, True),
+    ("cp -a", 1, True),
+    ("fork", 8, False),
+    ("fork", 8, True),
+    ("cp -a", 8, True),
+    ("fork", 64, False),
+)
+REPEATS = {1: 7, 8: 5, 64: 3}
+MAX_CHILD_S = 600
+
+# Published anchors, as their authors state them (conditions in their words).
+ANCHORS = (
+    ("E2B fork()", "pauses the parent, refuses a paused one; up to 100 forks a call"),
+    ("Daytona", "250 sandboxes created in 0.88 s"),
+    ("forkd", "100 microVMs forked in ~101 ms; the parent paused 41-48 ms"),
+    ("Morph", "branch in < 250 ms"),
+    ("CRIU", "restore in 50-70 ms"),
+    ("Firecracker", "snapshot restore in < 8 ms"),
+    ("OpenHands", "a container starts in 30-60 s"),
+)
+
+
+def fill(root: str, mb: int, files: int) -> None:
+    """``mb`` MB of bytes in ``files`` files under ``root`` (100 per directory)."""
+    chunk = os.urandom(max(1, mb * (1 << 20) // max(files, 1)))
+    for k in range(files):
+        folder = os.path.join(root, f"d{k // 100:03d}")
+        if k % 100 == 0:
+            os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"f{k:05d}"), "wb") as f:
+            f.write(chunk)
+
+
+def make_env():
+    from agent_workspace import WorkspaceEnv
+
+    class FilledWorkspace(WorkspaceEnv):
+        """A WorkspaceEnv whose reset can fill ``bulk/`` (options fill=(mb, files)) or
+        copy a directory into it with ``cp -a`` (options copy_from=DIR)."""
+
+        def reset(self, *, seed=None, options=None):
+            out = super().reset(seed=seed)
+            options = options or {}
+            bulk = os.path.join(self.root, "bulk")
+            shutil.rmtree(bulk, ignore_errors=True)
+            if "fill" in options:
+                os.mkdir(bulk)
+                fill(bulk, *options["fill"])
+            if "copy_from" in options:
+                subprocess.run(
+                    ["cp", "-a", "--no-preserve=ownership", options["copy_from"], bulk], check=True
+                )
+            return out
+
+        def _run(self, command):
+            if command == "ls":  # its own files, not the bulk's thousands
+                return " ".join(sorted(n for n in os.listdir(self.root) if n != "bulk"))
+            return super()._run(command)
+
+    return FilledWorkspace()
+
+
+def one(contender: str, copies: int, full: bool, mb: int, files: int) -> dict:
+    """One fresh interpreter's measurement: medians over REPEATS[copies] repetitions."""
+    from gym_fork import ForkVectorEnv
+
+    workspace = (mb, files) if full else (0, 0)
+    times: dict[str, list[float]] = {"first_step_s": [], "fork_s": []}
+    if contender == "fork":
+        envs = ForkVectorEnv.from_parent(make_env, 1, seed=0)
+        try:
+            envs.reset(seed=0, options={"fill": workspace} if full else None)
+            envs.step(("write notes.txt hello",))
+            for r in range(REPEATS[copies]):
+                t0 = time.perf_counter()
+                branch = envs.fork(f"b{r}", indices=[0], copies=copies)
+                t1 = time.perf_counter()
+                branch.step(("ls",) * copies)
+                t2 = time.perf_counter()
+                branch.close()
+                times["fork_s"].append(t1 - t0)
+                times["first_step_s"].append(t2 - t0)
+        finally:
+            envs.close()
+    else:
+        source = tempfile.mkdtemp(prefix="workspace-copy-src-")  # the host's /tmp: readable
+        try:
+            os.chmod(source, 0o755)
+            fill(source, *workspace)
+            for dirpath, dirnames, filenames in os.walk(source):
+                for name in dirnames:
+                    os.chmod(os.path.join(dirpath, name), 0o755)
+                for name in filenames:
+                    os.chmod(os.path.join(dirpath, name), 0o644)
+            envs = ForkVectorEnv.from_parent(make_env, copies, seed=0)
+            try:
+                envs.reset(seed=0)
+                for _ in range(REPEATS[copies]):
+                    t0 = time.perf_counter()
+                    envs.reset(seed=0, options={"copy_from": source})
+                    envs.step(("ls",) * copies)
+                    times["first_step_s"].append(time.perf_counter() - t0)
+            finally:
+                envs.close()
+        finally:
+            shutil.rmtree(source, ignore_errors=True)
+    return {k: statistics.median(v) for k, v in times.items() if v}
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def run_child(contender: str, copies: int, full: bool, mb: int, files: int) -> dict:
+    args = [sys.executable, __file__, "--one", contender, str(copies), str(int(full))]
+    args += ["--mb", str(mb), "--files", str(files)]
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=MAX_CHILD_S, cwd=tempfile.gettempdir()
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{contender} x{copies}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--files", type=int, default=10_000)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        contender, copies, full = args.one[0], int(args.one[1]), bool(int(args.one[2]))
+        print(json.dumps(one(contender, copies, full, args.mb, args.files)))
+        return
+    runs: dict[str, list[dict]] = {}
+    loads = []
+    for r in range(args.rounds):
+        before = load()
+        for contender, copies, full in MATRIX:
+            key = f"{contender} x{copies} {'full' if full else 'empty'}"
+            runs.setdefault(key, []).append(run_child(contender, copies, full, args.mb, args.files))
+        loads.append({"round": r, "load_before": before, "load_after": load()})
+        print(f"round {r}: load {before:.2f} -> {load():.2f}", flush=True)
+    table = {}
+    for key, results in runs.items():
+        copies = int(key.split(" x")[1].split()[0])
+        row = {}
+        for figure in results[0]:
+            values = [res[figure] for res in results]
+            row[figure] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+            }
+        row["branches_per_s"] = copies / row["first_step_s"]["median"]
+        table[key] = row
+    print(f"workspace: {args.mb} MB in {args.files} files; {os.cpu_count()} cores")
+    print(f"{'contender':<22} {'first step (ms)':>24} {'fork call (ms)':>22} {'branches/s':>11}")
+    for key, row in table.items():
+        first = row["first_step_s"]
+        cell = f"{first['median'] * 1e3:.1f} ({first['min'] * 1e3:.1f}-{first['max'] * 1e3:.1f})"
+        fork = row.get("fork_s")
+        fcell = (
+            ""
+            if fork is None
+            else f"{fork['median'] * 1e3:.1f} ({fork['min'] * 1e3:.1f}-{fork['max'] * 1e3:.1f})"
+        )
+        print(f"{key:<22} {cell:>24} {fcell:>22} {row['branches_per_s']:>11.0f}")
+    print("anchors (published, their conditions):")
+    for name, claim in ANCHORS:
+        print(f"  {name}: {claim}")
+    if args.json:
+        out = {
+            "command": " ".join(sys.argv),
+            "workspace": {"mb": args.mb, "files": args.files},
+            "cores": os.cpu_count(),
+            "loads": loads,
+            "table": table,
+            "anchors": dict(ANCHORS),
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
