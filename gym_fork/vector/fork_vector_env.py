@@ -10,7 +10,6 @@ sub-envs, ``provenance`` records the lineage, ``spaces`` batches spaces and acti
 from __future__ import annotations
 
 import copy as copy_module
-import functools
 import inspect
 import multiprocessing
 import os
@@ -45,13 +44,6 @@ __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 # The constructor's arguments that are not VectorConfig fields (the lineage's, and
 # from_parent's PrepareRecipe).
 _NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
-
-
-@functools.cache
-def _constructor_options() -> tuple[str, ...]:
-    """The names of ForkVectorEnv's constructor arguments that are VectorConfig options."""
-    names = inspect.signature(ForkVectorEnv.__init__).parameters
-    return tuple(name for name in names if name not in _NOT_OPTIONS)
 
 
 def _option(name: str) -> property:
@@ -143,11 +135,40 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         vm_slab_mb: int = 16,
         _prepare: PrepareRecipe | None = None,
     ) -> None:
-        # Every argument but the lineage's goes to the config as it came (one list of
-        # options: the signature); from_arguments checks each and refuses unknown ones.
-        given = locals()  # read by the signature's names only: other locals never leak in
-        options = {name: given[name] for name in _constructor_options()}
-        config = VectorConfig.from_arguments(**options, prepare=_prepare)
+        # Every argument but the lineage's goes to the config as it came; from_arguments
+        # checks each (tests/vector/test_config.py: each one arrives under its name).
+        config = VectorConfig.from_arguments(
+            env_fns=env_fns,
+            shared_memory=shared_memory,
+            copy=copy,
+            context=context,
+            daemon=daemon,
+            worker=worker,
+            observation_mode=observation_mode,
+            autoreset_mode=autoreset_mode,
+            max_concurrency=max_concurrency,
+            envs_per_worker=envs_per_worker,
+            batch_size=batch_size,
+            ring_bytes=ring_bytes,
+            check_actions=check_actions,
+            reset_mode=reset_mode,
+            network=network,
+            limits=limits,
+            namespaces=namespaces,
+            private_tmp=private_tmp,
+            writable_paths=writable_paths,
+            tmpfs_bytes=tmpfs_bytes,
+            sandbox_user=sandbox_user,
+            pass_env=pass_env,
+            isolation=isolation,
+            timeout=timeout,
+            gpu_fork_policy=gpu_fork_policy,
+            host=host,
+            trusted=trusted,
+            vm_memory_mb=vm_memory_mb,
+            vm_slab_mb=vm_slab_mb,
+            prepare=_prepare,
+        )
         opened = open_root(config)
         self._open(
             opened,

@@ -157,6 +157,25 @@ def test_the_constructor_forwards_every_option_with_the_configs_defaults(monkeyp
     assert VectorConfig.from_arguments(FNS, **options) == VectorConfig.from_arguments(FNS)
 
 
+def test_the_constructor_hands_each_argument_to_the_config_under_its_own_name(monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(VectorConfig, "from_arguments", capture)
+    options = [n for n in _constructor_parameters() if n not in _NOT_OPTIONS]
+    marks = {name: object() for name in options}  # a value of its own for each
+    with pytest.raises(Stop):
+        ForkVectorEnv(**marks)
+    assert {name: seen[name] for name in options} == marks
+    assert set(seen) == set(options) | {"prepare"}
+
+
 def test_every_option_is_a_read_only_attribute_over_the_config():
     envs = ForkVectorEnv.__new__(ForkVectorEnv)  # no sandboxes: only the attributes
     envs.config = VectorConfig.from_arguments(FNS, timeout=3.0, batch_size=2, host="inline")
