@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gym_fork.hosts.microvm.image import GuestImage
 from gym_fork.hosts.microvm.qmp import QMP, QMPError
@@ -85,6 +86,106 @@ def new_memfd(name: str, size: int) -> int:
     return fd
 
 
+class QemuFds(NamedTuple):
+    """The fds a QEMU process gets, by what they are to it."""
+
+    ram: int
+    channel: int
+    slab: int
+    out: int
+    err: int
+    qmp: int
+    bell: int
+
+
+def qemu_arguments(
+    binary: str,
+    config: MachineConfig,
+    fds: QemuFds,
+    shared_ram: bool,
+    incoming: bool,
+    paused: bool,
+    name: str,
+) -> list[str]:
+    """QEMU's command line for one VM of ``config`` (see :class:`Machine`)."""
+    ram_fd, channel_fd, slab_fd, out_fd, err_fd = fds.ram, fds.channel, fds.slab, fds.out, fds.err
+    image = config.image
+    share = "on" if shared_ram else "off"
+    args = [
+        binary,
+        "-name",
+        name,
+        "-machine",
+        "q35,memory-backend=gf-ram",
+        "-accel",
+        # TCG's translation cache is private to each clone: a small one keeps a
+        # clone's own memory small (a step loop's guest code fits many times over).
+        "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MB}",
+        "-cpu",
+        "host" if config.accel == "kvm" else "max",
+        "-m",
+        f"{config.memory_mb}M,slots=2,"
+        f"maxmem={(config.memory_mb << 20) + config.channel_bytes + config.slab_bytes}",
+        "-smp",
+        "1",
+        "-nodefaults",
+        "-no-user-config",
+        "-no-reboot",
+        "-display",
+        "none",
+        "-nic",
+        "none",
+        # SeaBIOS would print its banner on the first serial port (the guest's stdout)
+        "-fw_cfg",
+        "name=etc/sercon-port,string=0",
+        "-object",
+        f"memory-backend-file,id=gf-ram,size={config.memory_mb}M,"
+        f"mem-path=/proc/self/fd/{ram_fd},share={share}",
+        "-kernel",
+        str(image.kernel.vmlinuz),
+        "-initrd",
+        str(image.initramfs),
+        "-append",
+        config.kernel_cmdline(),
+        "-drive",
+        f"file={image.root},format=raw,readonly=on,if=virtio",
+        "-object",
+        f"memory-backend-file,id=gf-channel,size={config.channel_bytes},"
+        f"mem-path=/proc/self/fd/{channel_fd},share=on",
+        "-device",
+        f"pc-dimm,id=gf-channel-dimm,memdev=gf-channel,addr={config.channel_address:#x}",
+        "-object",
+        f"memory-backend-file,id=gf-slab,size={config.slab_bytes},"
+        f"mem-path=/proc/self/fd/{slab_fd},share=on",
+        "-device",
+        f"pc-dimm,id=gf-slab-dimm,memdev=gf-slab,addr={config.slab_address:#x}",
+        "-chardev",
+        f"file,id=gf-out,path=/proc/self/fd/{out_fd}",
+        "-serial",
+        "chardev:gf-out",
+        "-chardev",
+        f"file,id=gf-err,path=/proc/self/fd/{err_fd}",
+        "-serial",
+        "chardev:gf-err",
+        "-device",
+        "virtio-serial-pci,id=gf-serial",
+        "-chardev",
+        f"socket,id=gf-bell,fd={fds.bell}",
+        "-device",
+        f"virtserialport,chardev=gf-bell,name={BELL_PORT}",
+        "-chardev",
+        f"socket,id=gf-qmp,fd={fds.qmp}",
+        "-mon",
+        "chardev=gf-qmp,mode=control",
+    ]
+    args += config.extra_args
+    if incoming:
+        args += ["-incoming", "defer"]
+    if paused:
+        args.append("-S")
+    return args
+
+
 class Machine:
     """A QEMU process and its QMP session.
 
@@ -114,98 +215,31 @@ class Machine:
             raise MachineError("QEMU is not installed: apt-get install qemu-system-x86")
         self.config = config
         self.name = name
-        image = config.image
         qmp_ours, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The doorbell: a virtio-serial port whose host end is ours (every VM has it, so
         # that device state moves between them; the guest uses it when gym_fork.bell=1).
         self.bell, bell_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.bell.setblocking(False)
-        fds = (
-            ram_fd,
-            channel_fd,
-            slab_fd,
-            out_fd,
-            err_fd,
-            qmp_theirs.fileno(),
-            bell_theirs.fileno(),
-            *extra_fds,
+        fds = QemuFds(
+            ram_fd, channel_fd, slab_fd, out_fd, err_fd, qmp_theirs.fileno(), bell_theirs.fileno()
         )
-        share = "on" if shared_ram else "off"
-        args = [
-            binary,
-            "-name",
-            name,
-            "-machine",
-            "q35,memory-backend=gf-ram",
-            "-accel",
-            # TCG's translation cache is private to each clone: a small one keeps a
-            # clone's own memory small (a step loop's guest code fits many times over).
-            "kvm" if config.accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MB}",
-            "-cpu",
-            "host" if config.accel == "kvm" else "max",
-            "-m",
-            f"{config.memory_mb}M,slots=2,"
-            f"maxmem={(config.memory_mb << 20) + config.channel_bytes + config.slab_bytes}",
-            "-smp",
-            "1",
-            "-nodefaults",
-            "-no-user-config",
-            "-no-reboot",
-            "-display",
-            "none",
-            "-nic",
-            "none",
-            # SeaBIOS would print its banner on the first serial port (the guest's stdout)
-            "-fw_cfg",
-            "name=etc/sercon-port,string=0",
-            "-object",
-            f"memory-backend-file,id=gf-ram,size={config.memory_mb}M,"
-            f"mem-path=/proc/self/fd/{ram_fd},share={share}",
-            "-kernel",
-            str(image.kernel.vmlinuz),
-            "-initrd",
-            str(image.initramfs),
-            "-append",
-            config.kernel_cmdline(),
-            "-drive",
-            f"file={image.root},format=raw,readonly=on,if=virtio",
-            "-object",
-            f"memory-backend-file,id=gf-channel,size={config.channel_bytes},"
-            f"mem-path=/proc/self/fd/{channel_fd},share=on",
-            "-device",
-            f"pc-dimm,id=gf-channel-dimm,memdev=gf-channel,addr={config.channel_address:#x}",
-            "-object",
-            f"memory-backend-file,id=gf-slab,size={config.slab_bytes},"
-            f"mem-path=/proc/self/fd/{slab_fd},share=on",
-            "-device",
-            f"pc-dimm,id=gf-slab-dimm,memdev=gf-slab,addr={config.slab_address:#x}",
-            "-chardev",
-            f"file,id=gf-out,path=/proc/self/fd/{out_fd}",
-            "-serial",
-            "chardev:gf-out",
-            "-chardev",
-            f"file,id=gf-err,path=/proc/self/fd/{err_fd}",
-            "-serial",
-            "chardev:gf-err",
-            "-device",
-            "virtio-serial-pci,id=gf-serial",
-            "-chardev",
-            f"socket,id=gf-bell,fd={bell_theirs.fileno()}",
-            "-device",
-            f"virtserialport,chardev=gf-bell,name={BELL_PORT}",
-            "-chardev",
-            f"socket,id=gf-qmp,fd={qmp_theirs.fileno()}",
-            "-mon",
-            "chardev=gf-qmp,mode=control",
-        ]
-        args += config.extra_args
-        if incoming:
-            args += ["-incoming", "defer"]
-        if paused:
-            args.append("-S")
+        args = qemu_arguments(binary, config, fds, shared_ram, incoming, paused, name)
+        try:
+            self._launch(args, (*fds, *extra_fds), die_with_controller)
+        except BaseException:
+            qmp_ours.close()
+            self.bell.close()
+            raise
+        finally:
+            qmp_theirs.close()
+            bell_theirs.close()
+        self._connect(qmp_ours)
+
+    def _launch(self, args: list[str], fds: tuple[int, ...], die_with_controller: bool) -> None:
+        """Start QEMU with ``fds`` passed; its own messages go to ``log_fd``, apart from
+        the guest's output, and are shown on failure."""
         preexec = _die_with_controller if die_with_controller else None
-        # QEMU's own messages, kept apart from the guest's output and shown on failure.
-        self.log_fd = os.memfd_create(f"{name}-qemu-log", os.MFD_CLOEXEC)
+        self.log_fd = os.memfd_create(f"{self.name}-qemu-log", os.MFD_CLOEXEC)
         try:
             self.process = subprocess.Popen(
                 args,
@@ -216,14 +250,12 @@ class Machine:
                 preexec_fn=preexec,
             )
         except BaseException:
-            qmp_ours.close()
-            self.bell.close()
             os.close(self.log_fd)
             raise
-        finally:
-            qmp_theirs.close()
-            bell_theirs.close()
         self.pid = self.process.pid
+
+    def _connect(self, qmp_ours: socket.socket) -> None:
+        """The QMP session (QEMU's greeting read): else QEMU is killed and its log shown."""
         try:
             self.qmp: QMP | None = QMP(qmp_ours)
         except (QMPError, OSError) as exc:
@@ -231,7 +263,7 @@ class Machine:
             time.sleep(0.05)
             log = self.log()
             self.kill()
-            raise MachineError(f"{name}: QEMU did not start: {exc}\n{log}") from exc
+            raise MachineError(f"{self.name}: QEMU did not start: {exc}\n{log}") from exc
 
     # -- migration ------------------------------------------------------------------
     def command(self, name: str, arguments: dict | None = None, fds: tuple[int, ...] = ()):
