@@ -26,9 +26,10 @@ from gym_fork.errors import BadActionError
 from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
 
-from .faults import Deadline, WaitTimeout, errors_exception
+from .faults import errors_exception
 from .frontend import SENDING, AsyncFrontEnd, AsyncState, is_int
 from .spaces import empty_batch
+from .waits import Deadline, WaitTimeout
 
 
 class Batches:

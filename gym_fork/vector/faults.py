@@ -1,4 +1,5 @@
-"""Fault translation: what went wrong in a sandbox, as the exception the user gets.
+"""Fault translation: what went wrong in a sandbox, as the exception the user gets
+(waits: gym_fork/vector/waits.py; stopped sandboxes: gym_fork/vector/stalls.py).
 
 No I/O here: callers hand in what they observed (a worker's error records, its exit
 code, its last stderr lines) and raise what these functions build.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import time
 from typing import Any
 
 import cloudpickle
@@ -18,7 +18,6 @@ from gym_fork import notices
 from gym_fork.errors import (
     SubEnvCrashed,
     SubEnvError,
-    SubEnvStopped,
     SubEnvTimeout,
     TransportError,
     like_builtin,
@@ -26,7 +25,6 @@ from gym_fork.errors import (
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.system.linux import describe_status
 from gym_fork.text_safety import escape_controls
-from gym_fork.transport.ring import SLICE
 
 # Every sub-env's traceback goes here at DEBUG; the user sees one line per distinct error.
 log = logging.getLogger("gym_fork.vector")
@@ -38,186 +36,6 @@ MAX_NOTED = 4
 
 # Lines of a dead sandbox's stderr quoted in SubEnvCrashed.
 STDERR_LINES = 10
-
-# How often a wait checks that the worker it waits on is still alive: the ring's slice.
-LIVENESS_SLICE = SLICE
-
-
-class Deadline:
-    """A point in time (``time.monotonic()``) a wait must not pass (None: no deadline)."""
-
-    __slots__ = ("end",)
-
-    def __init__(self, timeout: float | None) -> None:
-        self.end = None if timeout is None else time.monotonic() + timeout
-
-    def slice(self) -> float:
-        """Seconds to wait before the next liveness check; 0 when past the deadline."""
-        if self.end is None:
-            return LIVENESS_SLICE
-        return max(0.0, min(LIVENESS_SLICE, self.end - time.monotonic()))
-
-    def left(self) -> float | None:
-        """Seconds to the deadline, 0 once past it (None: no deadline)."""
-        end = self.end
-        return None if end is None else max(0.0, end - time.monotonic())
-
-
-# A stopped sandbox (SIGSTOP from another sandbox of its tree: a stopped process passes
-# the pidfd liveness check): a wait that outlasts its first slices reads the waited-for
-# sandbox's state every STATE_EVERY seconds (a reply that comes in time never does);
-# stopped for STOPPED_FOR seconds, it is sent SIGCONT and named; found stopped for the
-# MAX_STOPS-th time in one wait, it is killed (SubEnvStopped).
-STATE_EVERY = 0.5
-STOPPED_FOR = 1.0
-MAX_STOPS = 3
-
-_STATES = {"T": "stopped by a signal", "t": "held in a tracing stop"}
-# Sandboxes a message lists by name at most (the rest are counted).
-MAX_NAMED = 32
-
-
-class Stall:
-    """A wait that outlasted its first liveness slice: when to read the waited-for
-    sandbox's state next, since when it is seen stopped, and how often it was."""
-
-    __slots__ = ("next_read", "since", "stops")
-
-    def __init__(self) -> None:
-        # The first slice has passed already: the first read comes STATE_EVERY into it.
-        self.next_read = time.perf_counter() + STATE_EVERY - LIVENESS_SLICE
-        self.since: float | None = None
-        self.stops = 0
-
-    def due(self) -> bool:
-        return time.perf_counter() >= self.next_read
-
-    def seen(self, state: str) -> bool:
-        """Note the state just read; True once it has been stopped for STOPPED_FOR s (a
-        stop found: counted, and its clock restarted)."""
-        now = time.perf_counter()
-        self.next_read = now + STATE_EVERY
-        if not state:
-            self.since = None
-            return False
-        if self.since is None:
-            self.since = now
-            return False
-        if now - self.since < STOPPED_FOR:
-            return False
-        self.since = None
-        self.stops += 1
-        return True
-
-
-def describe_state(state: str) -> str:
-    """A process state letter (``/proc/<pid>/stat``) in words: stopped or not."""
-    return f"STOPPED ({_STATES[state]}, state {state})" if state in _STATES else "not stopped"
-
-
-def who(worker: WorkerHandle, mine: bool) -> str:
-    """A sandbox as a message names it: its sub-envs (of this vector env or another one
-    of the same warm parent) and its host pid."""
-    if mine:
-        return f"sub-env(s) {worker.indices} (pid {worker.pid})"
-    return f"{worker.name} of another vector env of the same warm parent (pid {worker.pid})"
-
-
-def _suspects(suspects: list[tuple[WorkerHandle, bool]]) -> str:
-    if not suspects:
-        return (
-            "no other sandbox shares its tree, so it stopped itself (an env can signal "
-            "its own process) or was stopped from outside gym_fork"
-        )
-    return (
-        "the suspects are its own sub-envs (a process can stop itself) and the other "
-        "sandboxes of its tree (one warm parent: one pid namespace, one uid; without "
-        "Landlock's signal scoping each can signal the others): "
-        + ", ".join(who(w, mine) for w, mine in suspects[:MAX_NAMED])
-        + (f" and {len(suspects) - MAX_NAMED} more" if len(suspects) > MAX_NAMED else "")
-    )
-
-
-def _stopped(worker: WorkerHandle, state: str, branch: str) -> str:
-    return (
-        f"the sandbox of sub-env(s) {worker.indices} of branch {branch!r} (pid "
-        f"{worker.pid}) was {_STATES.get(state, 'stopped')} (state {state})"
-    )
-
-
-_WHO_STOPS = (
-    "A stop comes from a signal (the sandbox's own, or another sandbox's of its tree "
-    "where Landlock does not scope signals) and the kernel does not say who sent it"
-)
-
-
-def stopped_note(
-    worker: WorkerHandle,
-    state: str,
-    stops: int,
-    suspects: list[tuple[WorkerHandle, bool]],
-    when: str,
-    branch: str,
-) -> str:
-    """The warning for a sandbox found stopped while the controller waited (it was
-    sent SIGCONT)."""
-    return (
-        f"{_stopped(worker, state, branch)} for over {STOPPED_FOR:g} s {when}; it was "
-        f"sent SIGCONT. {_WHO_STOPS}: {_suspects(suspects)}. Found stopped {stops} "
-        f"time(s) in this wait; at "
-        f"{MAX_STOPS} it is killed (SubEnvStopped)."
-    )
-
-
-def stopped_error(
-    worker: WorkerHandle,
-    state: str,
-    stops: int,
-    suspects: list[tuple[WorkerHandle, bool]],
-    when: str,
-    branch: str,
-) -> SubEnvStopped:
-    """A sandbox stopped again and again in one wait: the caller has killed it."""
-    return SubEnvStopped(
-        f"{_stopped(worker, state, branch)} {stops} times {when} (resumed with SIGCONT "
-        f"after each of the first {stops - 1}) and was killed. {_WHO_STOPS}: "
-        f"{_suspects(suspects)}. Call reset() to replace it with a fresh sandbox.",
-        indices=worker.indices,
-        pid=worker.pid,
-        exitcode=-signal.SIGKILL,
-        suspects=[w.pid for w, _mine in suspects],
-        stops=stops,
-    )
-
-
-def tree_note(states: list[tuple[WorkerHandle, bool, str]]) -> str:
-    """Every sandbox of the stalled ones' tree and whether it is stopped (for a
-    timeout's error: a stopped sandbox does not answer, and any sandbox of the tree
-    can have stopped it)."""
-    if not states:
-        return ""
-    stopped = sum(state in _STATES for _w, _mine, state in states)
-    # The stopped ones first, then those that did not answer: what a long list cuts off
-    # is sandboxes that are neither.
-    shown = sorted(states, key=lambda s: (s[2] not in _STATES, not (s[1] and s[0].awaiting)))
-    lines = [
-        f"    {who(w, mine)}{', no answer yet' if mine and w.awaiting else ''}: "
-        + describe_state(state)
-        for w, mine, state in shown[:MAX_NAMED]
-    ]
-    if len(shown) > MAX_NAMED:
-        lines.append(f"    and {len(shown) - MAX_NAMED} more")
-    return (
-        "\nThe sandboxes of their tree (one warm parent: one pid namespace, one uid, so "
-        "each can signal the others), "
-        + (f"{stopped} of them stopped" if stopped else "none of them stopped")
-        + ":\n"
-        + "\n".join(lines)
-    )
-
-
-class WaitTimeout(Exception):
-    """A wait reached its deadline (the caller turns it into the user's error)."""
 
 
 def _text(value: Any, limit: int = 64 * 1024) -> str:

@@ -32,12 +32,12 @@ from . import provenance
 from .batches import Batches, BatchMode, check_free
 from .branching import check_shared_memory_policy, clone_sandboxes, warn_shared_with_source
 from .config import VectorConfig, auto_envs_per_worker, check_parent_count, check_sandbox_count
-from .faults import WaitTimeout
 from .foreign_arguments import refuse_foreign
 from .frontend import AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
 from .opening import Opened, open_root
 from .spaces import ActionWriter, VectorSpaces
+from .waits import WaitTimeout
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 

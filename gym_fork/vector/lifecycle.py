@@ -29,10 +29,11 @@ from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
 
 from .config import VectorConfig, check_sandbox_count
-from .faults import Deadline, WaitTimeout, errors_exception
+from .faults import errors_exception
 from .pool import WorkerPool
 from .provenance import gpu_memory
 from .spaces import VectorSpaces
+from .waits import Deadline, WaitTimeout
 
 # Every open set of sandboxes, so that interpreter exit without close() still cleans up
 # (and so that the per-controller ceiling on sandboxes counts them all).

@@ -31,19 +31,9 @@ from gym_fork.transport.codec import pack, pack_bare_request
 from gym_fork.transport.ring import AnyRing, wait
 from gym_fork.worker import protocol as P
 
-from .faults import (
-    MAX_STOPS,
-    Deadline,
-    Stall,
-    WaitTimeout,
-    corrupted,
-    crashed,
-    errors_exception,
-    stopped_error,
-    stopped_note,
-    timed_out,
-    tree_note,
-)
+from .faults import corrupted, crashed, errors_exception, timed_out
+from .stalls import MAX_STOPS, Stall, stopped_error, stopped_note, tree_note
+from .waits import Deadline, WaitTimeout
 
 
 class WorkerPool:

@@ -184,7 +184,7 @@ def test_free_sub_envs_reset_and_fork_while_others_still_run_a_send():
         assert taken == {0, 1}
         envs.send(np.array([0]), [0])  # sub-env 0 hangs in its step
         envs.async_reset(seed=[None, 5], options={"reset_mask": np.array([False, True])})
-        obs, *_rest, infos = envs.recv(timeout=10)
+        _obs, *_rest, infos = envs.recv(timeout=10)
         assert list(infos["env_id"]) == [1]
         with pytest.raises(ValueError, match=r"\[0\] still owe a result.*resetting"):
             envs.async_reset(options={"reset_mask": np.array([True, False])})

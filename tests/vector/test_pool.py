@@ -12,8 +12,8 @@ from gym_fork.errors import SubEnvCrashed, TransportError
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.hosts.inline import ThreadWatch
 from gym_fork.transport.channel import Channel
-from gym_fork.vector.faults import Deadline, WaitTimeout
 from gym_fork.vector.pool import WorkerPool
+from gym_fork.vector.waits import Deadline, WaitTimeout
 from gym_fork.worker import protocol as P
 
 
