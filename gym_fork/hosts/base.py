@@ -7,30 +7,21 @@ only through their channel (transport) and asks the host for everything else: li
 exit status, the isolation achieved, and whether its warm parent may be forked.
 
 Shared here, so that every host speaks the same way: the worker handle and spec, the
-clone order, the init message that carries the env_fns to a warm parent, the reply a
-warm parent sends when preparing failed, the isolation report, and reference counting
-of the warm parent between a vector env and its branches.
+clone order, the isolation report, and reference counting of the warm parent between a
+vector env and its branches. The init message and the prepare-failure reply are in
+gym_fork/hosts/preparing.py; making many sandboxes at once in gym_fork/hosts/batching.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import sys
-import traceback
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol, Self
+from typing import Any, Protocol, Self
 
-import cloudpickle
-
-from gym_fork.errors import SandboxStartError, like_builtin
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.scratch import is_scratch_dir, remove_scratch
-from gym_fork.text_safety import escape_controls
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, Channel
 from gym_fork.worker.prepare import PrepareRecipe as PrepareRecipe  # one type, every host
 
@@ -364,129 +355,8 @@ class SharedByBranches:
         raise NotImplementedError
 
 
-def spawn_in_batches(
-    specs: Sequence[WorkerSpec],
-    slab_fds: Sequence[int],
-    batch: int,
-    make: Callable[[list[WorkerSpec], list[int]], list[WorkerHandle]],
-) -> list[WorkerHandle]:
-    """``make(specs, slab_fds)`` per ``batch`` specs (what one request can carry); if a
-    batch fails, the sandboxes of the earlier ones are killed and released."""
-    handles: list[WorkerHandle] = []
-    try:
-        for start in range(0, len(specs), batch):
-            end = start + batch
-            handles += make(list(specs[start:end]), list(slab_fds[start:end]))
-    except BaseException:
-        release_all(handles)
-        raise
-    return handles
-
-
-# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders``
-# now; the function it returns waits for the answer and makes their handles.
-StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Callable[[], list[WorkerHandle]]]
-
-
-def fork_overlapped(
-    jobs: Sequence[ForkJob], batch: int, start: StartFork
-) -> list[list[WorkerHandle]]:
-    """The clones of each job, ``batch`` orders per request, every source asked before
-    any answer is awaited so that the sources fork at once (hosts whose clones can
-    overlap). A source takes one request at a time: its next batch is asked for once the
-    last one is answered. If one fails, every answer already asked for is still taken (a
-    source must not be left with a stale one) and every clone made is released."""
-    batches = [list(range(0, len(job.orders), batch)) for job in jobs]
-    pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
-    made: list[list[WorkerHandle]] = [[] for _ in jobs]
-
-    def start_next(k: int) -> None:
-        if batches[k]:
-            first = batches[k].pop(0)
-            job, last = jobs[k], first + batch
-            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
-
-    try:
-        for k in range(len(jobs)):
-            start_next(k)
-        while pending:
-            k, finish = pending.popleft()
-            made[k] += finish()
-            start_next(k)
-    except BaseException:
-        try:
-            for k, finish in pending:  # asked for: take the answers, then release them
-                with contextlib.suppress(Exception):
-                    made[k] += finish()
-        finally:  # a second Ctrl-C while answers are taken still releases what was made
-            release_all(h for handles in made for h in handles)
-        raise
-    return made
-
-
 def release_all(handles: Iterable[WorkerHandle]) -> None:
     """Kill and release sandboxes that will not be used (a failed spawn or fork)."""
     for handle in handles:
         handle.kill()
         handle.release()
-
-
-def init_message(config: HostConfig) -> dict[str, Any]:
-    """What a warm parent needs to prepare: the env_fns (cloudpickle) with the
-    controller's ``sys.path``, working directory and Gymnasium registry (so that envs
-    registered at run time resolve in the sandbox as they do in the caller)."""
-    from gymnasium.envs.registration import registry
-
-    try:
-        payload = cloudpickle.dumps(list(config.env_fns))
-    except Exception as exc:
-        raise SandboxStartError(f"env_fns cannot be pickled for the sandbox: {exc}") from exc
-    prepare = config.prepare
-    return {
-        "op": "init",
-        "env_fns": payload,
-        "sys_path": list(sys.path),
-        "cwd": os.getcwd(),
-        "registry": cloudpickle.dumps(dict(registry)),
-        "prepare": None if prepare is None else cloudpickle.dumps(prepare),
-        "clean_launch": config.clean_launch,
-    }
-
-
-def prepare_failure(exc: BaseException) -> dict[str, Any]:
-    """The reply of a warm parent whose preparation raised ``exc``."""
-    try:
-        pickled = cloudpickle.dumps(exc)
-    except Exception:
-        pickled = None
-    return {
-        "op": "error",
-        "error": f"{type(exc).__name__}: {exc}",
-        "exception": pickled,
-        "traceback": traceback.format_exc(),
-    }
-
-
-def raise_prepare_failure(reply: dict, what: str, *, trusted: bool = False) -> NoReturn:
-    """Raise what the warm parent (``what``) raised while preparing the env_fns: the
-    original exception with its traceback as a note (only when ``trusted``: unpickling
-    runs code), or a SandboxStartError carrying the text (control characters escaped:
-    the warm parent ran env code)."""
-    exc = None
-    if trusted and reply.get("exception") is not None:
-        try:
-            exc = cloudpickle.loads(reply["exception"])
-        except Exception:
-            exc = None
-    if isinstance(exc, BaseException):
-        exc.add_note(
-            f"[gym_fork] raised while preparing {what}; its traceback:\n"
-            + escape_controls(str(reply.get("traceback", "")))
-        )
-        raise exc
-    error = escape_controls(str(reply.get("error"))[:2000])
-    trace = escape_controls(str(reply.get("traceback", ""))[:20000])
-    type_name = error.split(":", 1)[0] if ":" in error else ""
-    raise like_builtin(SandboxStartError, type_name)(
-        f"{what} could not prepare the env_fns: {error}\n{trace}"
-    )

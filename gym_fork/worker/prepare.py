@@ -47,7 +47,7 @@ class EnvSource:
         self._attach_cache: dict[bytes, dict] = {}
 
     def prepare(self, message: dict[str, Any]) -> None:
-        """Apply an init message (see ``gym_fork.hosts.base.init_message``)."""
+        """Apply an init message (see ``gym_fork.hosts.preparing.init_message``)."""
         sys.path[:] = message["sys_path"]
         with contextlib.suppress(OSError):
             os.chdir(message["cwd"])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gym_fork.hosts.base import ForkJob, fork_overlapped, spawn_in_batches
+from gym_fork.hosts.base import ForkJob
+from gym_fork.hosts.batching import fork_overlapped, spawn_in_batches
 
 
 class Clone:

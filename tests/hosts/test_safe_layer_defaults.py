@@ -14,7 +14,8 @@ import cloudpickle
 import pytest
 
 from gym_fork.errors import SandboxStartError, SubEnvError
-from gym_fork.hosts.base import HostConfig, prepare_failure, raise_prepare_failure
+from gym_fork.hosts.base import HostConfig
+from gym_fork.hosts.preparing import prepare_failure, raise_prepare_failure
 from gym_fork.vector.faults import errors_exception, worker_exception
 from gym_fork.vector.pool import WorkerPool
 

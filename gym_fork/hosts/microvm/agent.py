@@ -20,8 +20,8 @@ import time
 import traceback
 from typing import Any
 
-from gym_fork.hosts.base import prepare_failure
 from gym_fork.hosts.microvm.doorbell import find_port
+from gym_fork.hosts.preparing import prepare_failure
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.slab import Slab
 from gym_fork.worker import protocol as P

@@ -43,8 +43,6 @@ from gym_fork.hosts.base import (
     SharedByBranches,
     WorkerHandle,
     WorkerSpec,
-    init_message,
-    raise_prepare_failure,
 )
 from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.accel import choose_accel
@@ -61,6 +59,7 @@ from gym_fork.hosts.microvm.machine import (
 from gym_fork.hosts.microvm.requirements import INSTALL_HINT, missing_requirements
 from gym_fork.hosts.microvm.snapshot import BranchPoint, copy_data, freeze_copy
 from gym_fork.hosts.output import OutputCollector
+from gym_fork.hosts.preparing import init_message, raise_prepare_failure
 from gym_fork.system.isolation import SandboxLimits
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.text_safety import escape_controls

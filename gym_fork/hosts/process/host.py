@@ -26,12 +26,10 @@ from gym_fork.hosts.base import (
     SharedByBranches,
     WorkerHandle,
     WorkerSpec,
-    fork_overlapped,
-    init_message,
-    raise_prepare_failure,
-    spawn_in_batches,
 )
+from gym_fork.hosts.batching import fork_overlapped, spawn_in_batches
 from gym_fork.hosts.output import OutputCollector
+from gym_fork.hosts.preparing import init_message, raise_prepare_failure
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport, zygote
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
@@ -60,7 +58,7 @@ class ProcessHost(SharedByBranches):
     """Starts a warm parent from a clean interpreter and asks it to fork workers.
 
     ``env_fns`` travel once, with cloudpickle, in the init message
-    (:func:`gym_fork.hosts.base.init_message`).
+    (:func:`gym_fork.hosts.preparing.init_message`).
     """
 
     kind = "process"
@@ -308,7 +306,7 @@ class ProcessHost(SharedByBranches):
     ) -> list[list[WorkerHandle]]:
         """Every source gets its clones' channels, sockets and output pipes on its side
         socket and its FORK request (SPAWN_BATCH clones per request) before any answer
-        is awaited, so that the sources fork at once (gym_fork.hosts.base.fork_overlapped:
+        is awaited, so that the sources fork at once (gym_fork.hosts.batching.fork_overlapped:
         a source's reply and side-socket answer are matched in order)."""
         limits = self.config.isolation.limits
         # A clone's cgroup fds come with its others: fewer clones per message then.

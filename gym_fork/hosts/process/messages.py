@@ -99,7 +99,7 @@ class Retire(Message):
 
 @dataclass(frozen=True)
 class Init(Message):
-    """Controller, first: what to prepare (``setup``: gym_fork.hosts.base.init_message)
+    """Controller, first: what to prepare (``setup``: gym_fork.hosts.preparing.init_message)
     and how to live (the pre-import's known names, the controller, the isolation); fds:
     the warm parent's stdout and stderr (pipes the controller drains)."""
 
@@ -126,7 +126,7 @@ class Ready(Message):
 
 @dataclass(frozen=True)
 class PrepareFailed(Message):
-    """Warm parent: preparing the env_fns raised (gym_fork.hosts.base.prepare_failure)."""
+    """Warm parent: preparing the env_fns raised (gym_fork.hosts.preparing.prepare_failure)."""
 
     OP = "prepare-failed"
     MAX_BYTES = 64 << 20  # a pickled exception

@@ -31,7 +31,7 @@ from typing import Any
 
 import cloudpickle
 
-from gym_fork.hosts.base import prepare_failure
+from gym_fork.hosts.preparing import prepare_failure
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import preimport
 from gym_fork.hosts.process.idle import IdlePool, await_assignment

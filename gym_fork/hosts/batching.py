@@ -1,0 +1,70 @@
+"""How a host makes many sandboxes at once: spawns in batches, forks overlapped, and the
+kill-and-release of those a failed call made."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle, WorkerSpec, release_all
+
+
+def spawn_in_batches(
+    specs: Sequence[WorkerSpec],
+    slab_fds: Sequence[int],
+    batch: int,
+    make: Callable[[list[WorkerSpec], list[int]], list[WorkerHandle]],
+) -> list[WorkerHandle]:
+    """``make(specs, slab_fds)`` per ``batch`` specs (what one request can carry); if a
+    batch fails, the sandboxes of the earlier ones are killed and released."""
+    handles: list[WorkerHandle] = []
+    try:
+        for start in range(0, len(specs), batch):
+            end = start + batch
+            handles += make(list(specs[start:end]), list(slab_fds[start:end]))
+    except BaseException:
+        release_all(handles)
+        raise
+    return handles
+
+
+# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders``
+# now; the function it returns waits for the answer and makes their handles.
+StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Callable[[], list[WorkerHandle]]]
+
+
+def fork_overlapped(
+    jobs: Sequence[ForkJob], batch: int, start: StartFork
+) -> list[list[WorkerHandle]]:
+    """The clones of each job, ``batch`` orders per request, every source asked before
+    any answer is awaited so that the sources fork at once (hosts whose clones can
+    overlap). A source takes one request at a time: its next batch is asked for once the
+    last one is answered. If one fails, every answer already asked for is still taken (a
+    source must not be left with a stale one) and every clone made is released."""
+    batches = [list(range(0, len(job.orders), batch)) for job in jobs]
+    pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
+    made: list[list[WorkerHandle]] = [[] for _ in jobs]
+
+    def start_next(k: int) -> None:
+        if batches[k]:
+            first = batches[k].pop(0)
+            job, last = jobs[k], first + batch
+            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+
+    try:
+        for k in range(len(jobs)):
+            start_next(k)
+        while pending:
+            k, finish = pending.popleft()
+            made[k] += finish()
+            start_next(k)
+    except BaseException:
+        try:
+            for k, finish in pending:  # asked for: take the answers, then release them
+                with contextlib.suppress(Exception):
+                    made[k] += finish()
+        finally:  # a second Ctrl-C while answers are taken still releases what was made
+            release_all(h for handles in made for h in handles)
+        raise
+    return made
