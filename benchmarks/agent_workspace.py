@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/agent_workspace.py [--rounds 3] [--json OUT]
 
 The env is examples/agent_workspace.py's ``WorkspaceEnv`` (a Text env of files and
-commands). Its source sandbox first writes a workspace into its private /tmp: empty, or
-``--mb`` MB in ``--files`` files (default 200 MB, 10,000 files) under ``bulk/``. Then:
+commands). Its workspace is empty, or ``--mb`` MB in ``--files`` files (default 200 MB,
+10,000 files) written by the source sandbox into its private /tmp ("sandbox"), or written
+by the warm parent before any sandbox exists ("parent": ``from_parent``'s warmup; that
+layer is every sandbox's shared lower layer). Then:
 
   fork       ``fork(indices=[0], copies=k)`` of the running source + one step of every
              copy ("ls"): the time to the branches' first step, and the fork call alone
@@ -16,8 +18,8 @@ commands). Its source sandbox first writes a workspace into its private /tmp: em
 
 Each (contender, k) runs in a fresh interpreter, contenders interleaved, ``--rounds``
 rounds; a run's figure is the median of its repetitions, the report gives the median of
-the rounds with their min-max, and the load before and after each round. The full
-workspace is not forked 64 times: 64 copies of its layer would be 12.8 GB of tmpfs.
+the rounds with their min-max, and the load before and after each round. A workspace the
+source wrote is not forked 64 times: 64 copies of its layer would be 12.8 GB of tmpfs.
 """
 
 from __future__ import annotations
@@ -36,15 +38,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 sys.path.insert(0, EXAMPLES)
 
-# (contender, copies, full workspace?) in the order a round runs them.
+# (contender, copies, where the workspace was written) in the order a round runs them.
 MATRIX = (
-    ("fork", 1, False),
-    ("fork", 1, True),
-    ("cp -a", 1, True),
-    ("fork", 8, False),
-    ("fork", 8, True),
-    ("cp -a", 8, True),
-    ("fork", 64, False),
+    ("fork", 1, "empty"),
+    ("fork", 1, "sandbox"),
+    ("fork", 1, "parent"),
+    ("cp -a", 1, "sandbox"),
+    ("fork", 8, "empty"),
+    ("fork", 8, "sandbox"),
+    ("fork", 8, "parent"),
+    ("cp -a", 8, "sandbox"),
+    ("fork", 64, "empty"),
+    ("fork", 64, "parent"),
 )
 REPEATS = {1: 7, 8: 5, 64: 3}
 MAX_CHILD_S = 600
@@ -76,41 +81,47 @@ def make_env():
     from agent_workspace import WorkspaceEnv
 
     class FilledWorkspace(WorkspaceEnv):
-        """A WorkspaceEnv whose reset can fill ``bulk/`` (options fill=(mb, files)) or
-        copy a directory into it with ``cp -a`` (options copy_from=DIR)."""
+        """A WorkspaceEnv with a bulk directory beside its files: its reset can fill it
+        (options fill=(mb, files)) or copy a directory into it with ``cp -a`` (options
+        copy_from=DIR)."""
 
         def reset(self, *, seed=None, options=None):
             out = super().reset(seed=seed)
             options = options or {}
-            bulk = os.path.join(self.root, "bulk")
-            shutil.rmtree(bulk, ignore_errors=True)
+            bulk = self.root + "-bulk"
             if "fill" in options:
+                shutil.rmtree(bulk, ignore_errors=True)
                 os.mkdir(bulk)
                 fill(bulk, *options["fill"])
             if "copy_from" in options:
+                shutil.rmtree(bulk, ignore_errors=True)
                 subprocess.run(
                     ["cp", "-a", "--no-preserve=ownership", options["copy_from"], bulk], check=True
                 )
             return out
 
-        def _run(self, command):
-            if command == "ls":  # its own files, not the bulk's thousands
-                return " ".join(sorted(n for n in os.listdir(self.root) if n != "bulk"))
-            return super()._run(command)
-
     return FilledWorkspace()
 
 
-def one(contender: str, copies: int, full: bool, mb: int, files: int) -> dict:
+def _fill_in_parent(env, mb: int, files: int) -> None:
+    env.reset(options={"fill": (mb, files)})
+
+
+def one(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
     """One fresh interpreter's measurement: medians over REPEATS[copies] repetitions."""
+    import functools
+
     from gym_fork import ForkVectorEnv
 
-    workspace = (mb, files) if full else (0, 0)
+    workspace = (mb, files)
     times: dict[str, list[float]] = {"first_step_s": [], "fork_s": []}
     if contender == "fork":
-        envs = ForkVectorEnv.from_parent(make_env, 1, seed=0)
+        warmup = functools.partial(_fill_in_parent, mb=mb, files=files)
+        envs = ForkVectorEnv.from_parent(
+            make_env, 1, seed=0, warmup=warmup if where == "parent" else None
+        )
         try:
-            envs.reset(seed=0, options={"fill": workspace} if full else None)
+            envs.reset(seed=0, options={"fill": workspace} if where == "sandbox" else None)
             envs.step(("write notes.txt hello",))
             for r in range(REPEATS[copies]):
                 t0 = time.perf_counter()
@@ -152,8 +163,8 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def run_child(contender: str, copies: int, full: bool, mb: int, files: int) -> dict:
-    args = [sys.executable, __file__, "--one", contender, str(copies), str(int(full))]
+def run_child(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
+    args = [sys.executable, __file__, "--one", contender, str(copies), where]
     args += ["--mb", str(mb), "--files", str(files)]
     done = subprocess.run(
         args, capture_output=True, text=True, timeout=MAX_CHILD_S, cwd=tempfile.gettempdir()
@@ -172,16 +183,18 @@ def main() -> None:
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        contender, copies, full = args.one[0], int(args.one[1]), bool(int(args.one[2]))
-        print(json.dumps(one(contender, copies, full, args.mb, args.files)))
+        contender, copies, where = args.one[0], int(args.one[1]), args.one[2]
+        print(json.dumps(one(contender, copies, where, args.mb, args.files)))
         return
     runs: dict[str, list[dict]] = {}
     loads = []
     for r in range(args.rounds):
         before = load()
-        for contender, copies, full in MATRIX:
-            key = f"{contender} x{copies} {'full' if full else 'empty'}"
-            runs.setdefault(key, []).append(run_child(contender, copies, full, args.mb, args.files))
+        for contender, copies, where in MATRIX:
+            key = f"{contender} x{copies} {where}"
+            runs.setdefault(key, []).append(
+                run_child(contender, copies, where, args.mb, args.files)
+            )
         loads.append({"round": r, "load_before": before, "load_after": load()})
         print(f"round {r}: load {before:.2f} -> {load():.2f}", flush=True)
     table = {}
