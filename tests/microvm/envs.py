@@ -62,3 +62,47 @@ class HangEnv(GuestProbeEnv):
             while True:
                 pass
         return super().step(0)
+
+
+class InterpreterEnv(gym.Env):
+    """An env whose state lives in a child process it talks to: a persistent Python
+    interpreter (the shape of an agent's `python -i` tool). Each step sends ``x += a``
+    (a = action) and reads ``x`` back; the observation is [x, the child's pid]."""
+
+    observation_space = spaces.Box(-1e9, 1e9, (2,), dtype=np.float64)
+    action_space = spaces.Discrete(5)
+    PROGRAM = (
+        "import sys\nx = 0\nfor line in sys.stdin:\n"
+        "    x = x * 3 + int(line)\n    print(x, flush=True)\n"
+    )
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        self.child = subprocess.Popen(
+            [sys.executable, "-u", "-c", self.PROGRAM],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.x = 0
+
+    def _tell(self, value: int) -> int:
+        self.child.stdin.write(f"{value}\n")
+        self.child.stdin.flush()
+        return int(self.child.stdout.readline())
+
+    def _obs(self):
+        return np.array([self.x, self.child.pid], dtype=np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs(), {}
+
+    def step(self, action):
+        self.x = self._tell(int(action))
+        return self._obs(), 0.0, False, False, {"x": self.x}
+
+    def close(self):
+        self.child.kill()

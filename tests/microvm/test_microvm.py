@@ -241,3 +241,31 @@ def test_warm_parents_from_one_boot_do_not_share_randomness_or_an_old_clock():
     finally:
         first.close()
         second.close()
+
+
+def test_a_fork_clones_the_process_the_env_talks_to_and_each_copy_replays_it():
+    from tests.microvm.envs import InterpreterEnv
+
+    envs = ForkVectorEnv([InterpreterEnv], host="microvm", envs_per_worker=1)
+    try:
+        envs.reset(seed=0)
+        for a in (1, 2, 3):
+            envs.step(np.array([a]))
+        branch = envs.fork("with-its-interpreter", copies=2)
+        try:
+            # The same actions: the source's interpreter and each copy's give one answer.
+            for a in (4, 0):
+                source_x = envs.step(np.array([a]))[4]["x"][0]
+                branch_x = branch.step(np.array([a, a]))[4]["x"]
+                assert list(branch_x) == [source_x, source_x]
+            # Each copy's interpreter is its own: different inputs, different states,
+            # and the source's goes on from where it was.
+            _o, _r, _t, _u, infos = branch.step(np.array([1, 2]))
+            assert list(infos["x"]) == [source_x * 3 + 1, source_x * 3 + 2]
+            assert envs.step(np.array([0]))[4]["x"][0] == source_x * 3
+            pids = branch.observations[:, 1]
+            assert pids[0] == pids[1] == envs.observations[0, 1]  # the whole guest cloned
+        finally:
+            branch.close()
+    finally:
+        envs.close()
