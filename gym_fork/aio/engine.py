@@ -29,6 +29,7 @@ import collections
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,8 +39,11 @@ from gymnasium.error import ClosedEnvironmentError
 
 from gym_fork import notices
 
-# Longest a job submitted while a result is awaited waits for the thread (one env owing).
+# Longest a job submitted while a result is awaited waits for the thread (one env
+# owing): SLICE_S at first, twice as long after each wait that found nothing, up to
+# SLICE_MAX_S (a sub-env that takes seconds costs the controller next to nothing).
 SLICE_S = 0.001
+SLICE_MAX_S = 0.008
 # The same with several envs owing results (each is looked at, then the queue is waited on).
 POLL_S = 0.0002
 # At interpreter exit: how long each family's close may take before its sandboxes are killed.
@@ -61,6 +65,16 @@ class Call:
 
 
 @dataclass
+class Owed:
+    """A call a sub-env runs: whose it is, since when, and what it is (for its error)."""
+
+    call: Call
+    budget: Budget
+    what: str
+    sent: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Budget:
     """A face's calls in sub-envs: how many run, the most that may, those waiting."""
 
@@ -77,8 +91,8 @@ class Engine:
         self._lock = threading.Lock()
         self._stopped = False
         self.faces: set[Any] = set()  # the family's open faces (touched in the thread only)
-        # env -> sub-env index -> (the call, its face's budget)
-        self.owed: dict[Any, dict[int, tuple[Call, Budget]]] = {}
+        self.owed: dict[Any, dict[int, Owed]] = {}  # env -> sub-env index -> its call
+        self._slice = SLICE_S
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _ENGINES.add(self)
@@ -112,25 +126,25 @@ class Engine:
             if error is None and call.orphan is not None:
                 call.orphan(value)
 
-    def owe(self, env: Any, index: int, call: Call, budget: Budget) -> None:
+    def owe(self, env: Any, index: int, call: Call, budget: Budget, what: str) -> None:
         """``env``'s sub-env ``index`` runs ``call``: settled when its result comes."""
-        self.owed.setdefault(env, {})[index] = (call, budget)
+        self.owed.setdefault(env, {})[index] = Owed(call, budget, what)
         budget.running += 1
 
     def fail_owed(self, env: Any, error: BaseException) -> None:
-        """Every call owed by ``env`` (and waiting for its budget) gets ``error``."""
-        for call, budget in self.owed.pop(env, {}).values():
-            budget.running -= 1
-            self.settle(call, error=error)
+        """Every call owed by ``env`` gets ``error``."""
+        for owed in self.owed.pop(env, {}).values():
+            owed.budget.running -= 1
+            self.settle(owed.call, error=error)
 
-    def _deliver(self, env: Any, index: int, outcome: Any) -> None:
-        call, budget = self.owed[env].pop(index)
-        budget.running -= 1
+    def _deliver(self, env: Any, index: int, outcome: Any, info: dict | None = None) -> None:
+        owed = self.owed[env].pop(index)
+        owed.budget.running -= 1
         if isinstance(outcome, BaseException):
-            self.settle(call, error=outcome)
+            self.settle(owed.call, error=outcome)
         else:
-            self.settle(call, outcome)
-        _send_waiting(budget)
+            self.settle(owed.call, (outcome, info or {}))
+        _send_waiting(owed.budget)
 
     def _run(self) -> None:
         try:
@@ -139,9 +153,13 @@ class Engine:
                 if job is _STOP:
                     return
                 if job is not None:
+                    self._slice = SLICE_S
                     self._do(job)
                     if not self.faces:  # the family's last face was closed
                         return
+        except BaseException as exc:  # a defect here: nothing may be left running
+            notices.warn(f"gym_fork.aio: the engine thread failed ({exc!r}); its envs are killed")
+            raise
         finally:
             with self._lock:
                 self._stopped = True
@@ -156,10 +174,13 @@ class Engine:
         came = False
         for env in owing:
             came = self._take_results(env, 0.0) or came
+            self._end_overdue(env)
         if came:
+            self._slice = SLICE_S
             return None
         if len(owing) == 1:
-            self._take_results(owing[0], SLICE_S)
+            if not self._take_results(owing[0], self._slice):
+                self._slice = min(SLICE_MAX_S, self._slice * 2)
             return None
         try:
             return self._jobs.get(timeout=POLL_S)
@@ -171,12 +192,16 @@ class Engine:
         first); True when one came."""
         came = False
         while self.owed.get(env):
-            running = set(self.owed[env])
             try:
                 got = env._recv_one(timeout)
-            except Exception as exc:  # the wait itself failed: a crash it could not place
-                lost = running - set(env._batches.running)
-                for index in lost or running:
+            except Exception as exc:  # the wait failed on sub-envs it took off the run
+                batches = env._batches
+                placed = set(batches.running) | {d[0] for d in batches.done}
+                lost = set(self.owed[env]) - placed
+                if not lost:  # it names none of them: the env cannot be trusted on
+                    self._abandon(env, exc)
+                    return True
+                for index in lost:
                     self._deliver(env, index, exc)
                 return True
             if got is None:
@@ -184,6 +209,24 @@ class Engine:
             self._deliver(env, *got)
             came, timeout = True, 0.0
         return came
+
+    def _end_overdue(self, env: Any) -> None:
+        """Calls past the vector env's own ``timeout``: their sandboxes are killed and
+        the SubEnvTimeout is theirs (ForkVectorEnv(timeout=...))."""
+        limit = env.config.timeout
+        if limit is None or not self.owed.get(env):
+            return
+        now = time.monotonic()
+        for index, owed in list(self.owed[env].items()):
+            if now - owed.sent > limit and index in env._batches.running:
+                self._deliver(env, index, env._kill_overdue(index, owed.what, limit))
+
+    def _abandon(self, env: Any, error: BaseException) -> None:
+        """``env`` failed in a way no call owns: its calls get ``error``, it is killed."""
+        self.fail_owed(env, error)
+        for face in list(self.faces):
+            if face._env is env:
+                face._close_now(0.0, terminate=True)
 
     def _do(self, job: tuple[Callable[[Call], Any], Call]) -> None:
         work, call = job
@@ -204,16 +247,19 @@ class Engine:
             self.settle(call, value)
 
     def _drain(self) -> None:
-        """After the thread's last job: no future is left waiting."""
+        """After the thread's last job: no future is left waiting, no face open."""
         closed = ClosedEnvironmentError("the vector env was closed")
         for env in list(self.owed):
             self.fail_owed(env, closed)
+        for face in list(self.faces):  # only where the thread failed
+            with contextlib.suppress(Exception):
+                face._close_now(0.0, terminate=True)
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not _STOP:
+            if job is not _STOP and job[1] is not None:
                 self.settle(job[1], error=closed)
 
     def close_all(self, timeout: float) -> None:
@@ -226,9 +272,10 @@ class Engine:
         with self._lock:
             if self._stopped:
                 return
+            faces = len(self.faces)
             self._jobs.put((lambda _call: close_everything(), None))
             self._jobs.put(_STOP)
-        self._thread.join(timeout + 5.0)
+        self._thread.join(timeout * (faces + 1) + 5.0)  # each face's close may take timeout
 
 
 def _send_waiting(budget: Budget) -> None:

@@ -9,7 +9,6 @@ thread per family (gym_fork/aio/engine.py), so the event loop never blocks.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,6 @@ from gymnasium import Env
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from gym_fork.adapters.infos import unbatch_infos
 from gym_fork.vector.frontend import is_int
 
 from .engine import Budget, Call, Engine, later
@@ -102,8 +100,9 @@ class AsyncForkVectorEnv:
         return self
 
     async def __aexit__(self, kind: Any, *_rest: Any) -> None:
-        # Cancelled: nobody wants what runs, so the sandboxes are killed, not waited for.
-        await self.close(terminate=kind is not None and issubclass(kind, asyncio.CancelledError))
+        # Left by an exception (a cancellation included): nobody wants what runs, so the
+        # sandboxes are killed, not waited for.
+        await self.close(terminate=kind is not None)
 
     # -- what the env is ----------------------------------------------------------------
     @property
@@ -130,7 +129,7 @@ class AsyncForkVectorEnv:
         mask[index] = True
         opts = {**(options or {}), "reset_mask": mask}
         obs, _r, _te, _tr, info = await self._in_sub_env(
-            index, lambda: self._env.async_reset(seed=seeds, options=opts)
+            index, lambda: self._env.async_reset(seed=seeds, options=opts), "reset"
         )
         return obs, info
 
@@ -141,7 +140,7 @@ class AsyncForkVectorEnv:
         batch = concatenate(
             self.single_action_space, [action], create_empty_array(self.single_action_space, 1)
         )
-        return await self._in_sub_env(index, lambda: self._env.send(batch, [index]))
+        return await self._in_sub_env(index, lambda: self._env.send(batch, [index]), "step")
 
     async def fork(
         self,
@@ -165,18 +164,21 @@ class AsyncForkVectorEnv:
         return await engine.submit(job, orphan=_close_orphan)
 
     async def close(self, timeout: float | None = None, terminate: bool = False) -> None:
-        """Close the sub-envs and their sandboxes (calls still waiting fail with
-        ClosedEnvironmentError; those running are waited for, up to ``timeout``, then
-        killed; ``terminate``: killed at once). Runs to its end even if the awaiting task
-        is cancelled."""
+        """Close the sub-envs and their sandboxes. Calls not yet answered fail with
+        ClosedEnvironmentError; if any sub-env is still running one, nobody will take
+        its result, so the sandboxes are killed rather than closed (as with
+        ``terminate``). Else each sub-env's ``close()`` runs, up to ``timeout``. Runs to
+        its end even if the awaiting task is cancelled; while it runs, the other envs of
+        the family wait (one thread runs them all)."""
         if self.closed:
             return
         try:
             future = self._engine.submit(
                 lambda _call: self._close_now(timeout, terminate), always=True
             )
-        except ClosedEnvironmentError:
-            return  # the family's thread already closed it (at exit)
+        except ClosedEnvironmentError:  # the family's thread has ended: nothing runs
+            self._close_now(0.0, terminate=True)
+            return
         await future
 
     # -- inside -------------------------------------------------------------------------
@@ -192,7 +194,7 @@ class AsyncForkVectorEnv:
         if self.closed:
             raise ClosedEnvironmentError("Trying to operate on an AsyncForkVectorEnv after close.")
 
-    async def _in_sub_env(self, index: int, send: Callable[[], None]) -> Any:
+    async def _in_sub_env(self, index: int, send: Callable[[], None], what: str) -> Any:
         """Send a call to sub-env ``index`` (when the budget allows) and await its result,
         unbatched."""
         engine, budget, env = self._engine, self._budget, self._env
@@ -200,7 +202,10 @@ class AsyncForkVectorEnv:
         def job(call: Call) -> Any:
             self._check_open()
             busy = index in engine.owed.get(env, {})
-            if busy or any(go.index == index for go, _call in budget.waiting):
+            waiting = [(go, c) for go, c in budget.waiting if not c.future.cancelled()]
+            budget.waiting.clear()
+            budget.waiting.extend(waiting)  # a cancelled one will never be sent: forgotten
+            if busy or any(go.index == index for go, _call in waiting):
                 raise ValueError(f"sub-env {index} is already running a call: await it first")
 
             def go() -> None:
@@ -209,7 +214,7 @@ class AsyncForkVectorEnv:
                 except BaseException as exc:
                     engine.settle(call, error=exc)
                     return
-                engine.owe(env, index, call, budget)
+                engine.owe(env, index, call, budget, what)
 
             go.index = index  # type: ignore[attr-defined]
             if budget.limit is not None and budget.running >= budget.limit:
@@ -218,10 +223,9 @@ class AsyncForkVectorEnv:
                 go()
             return later()
 
-        obs, rewards, terminations, truncations, infos = await engine.submit(job)
+        result, info = await engine.submit(job)
+        obs, rewards, terminations, truncations, _infos = result
         (one,) = iterate(self._obs_batch, obs)
-        (info,) = unbatch_infos(infos, 1)
-        info.pop("env_id", None)
         return one, float(rewards[0]), bool(terminations[0]), bool(truncations[0]), info
 
     def _close_now(self, timeout: float | None, terminate: bool = False) -> None:
@@ -234,10 +238,11 @@ class AsyncForkVectorEnv:
             _send, call = self._budget.waiting.popleft()
             engine.settle(call, error=closed)
         try:
-            for call, budget in engine.owed.pop(self._env, {}).values():
-                budget.running -= 1
-                engine.settle(call, error=closed)
-            self._env.close(timeout=timeout, terminate=terminate)
+            running = engine.owed.pop(self._env, {})
+            for owed in running.values():
+                owed.budget.running -= 1
+                engine.settle(owed.call, error=closed)
+            self._env.close(timeout=timeout, terminate=terminate or bool(running))
         finally:
             engine.faces.discard(self)
 

@@ -26,8 +26,9 @@ from gym_fork.errors import BadActionError
 from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
 
-from .faults import errors_exception
+from .faults import errors_exception, timed_out
 from .frontend import SENDING, AsyncFrontEnd, AsyncState, is_int
+from .pool import Watching
 from .spaces import empty_batch
 from .waits import Deadline, WaitTimeout
 
@@ -40,6 +41,7 @@ class Batches:
         self.running: dict[int, int] = {}  # sub-env -> the op it runs (RESET or STEP)
         self.done: deque[tuple[int, int, Any, list]] = deque()  # (index, op, result, errors)
         self.last_ids: list[int] | None = None
+        self.watch = Watching()  # the liveness clocks of a poller's short waits (_recv_one)
 
     def busy(self) -> bool:
         """True while results are owed to the caller."""
@@ -53,8 +55,8 @@ def send_requests(env: Any, batches: Batches, op: int, args: dict[int, Any]) -> 
         worker = pool.workers[index]
         seq = pool._next_seq()
         worker.awaiting = seq
-        batches.running[index] = op
         pool._send_record(worker, pack([op, seq, arg]), op)
+        batches.running[index] = op  # only once sent: a failed send owes nothing
 
 
 def check_ids(env: Any, batches: Batches, env_ids: Any, count: int | None) -> list[int]:
@@ -106,9 +108,10 @@ def actions_for(env: Any, actions: Any, count: int) -> list[Any]:
     return per_env
 
 
-def wait(env: Any, batches: Batches, timeout: float | None) -> None:
+def wait(env: Any, batches: Batches, timeout: float | None, poll: bool = False) -> None:
     """Until ``batch_size`` results (or every running one) came; the deadline is
-    ``timeout``, else the vector env's own (then the silent sandboxes are killed)."""
+    ``timeout``, else the vector env's own (then the silent sandboxes are killed).
+    ``poll``: one of a poller's short waits (its liveness clocks carry over)."""
     pool = env.sandboxes.pool
     own = env.config.timeout
     own_deadline = timeout is None and own is not None
@@ -118,6 +121,7 @@ def wait(env: Any, batches: Batches, timeout: float | None) -> None:
     def take_ready(ready: list[int]) -> bool:
         for index in ready:
             op = batches.running.pop(index)
+            batches.watch.stalls.pop(index, None)
             worker = pool.workers[index]
             # Its reply is there, or it is dead: what it published before it died is
             # taken, else its crash is raised at once.
@@ -134,7 +138,7 @@ def wait(env: Any, batches: Batches, timeout: float | None) -> None:
     if len(batches.done) >= wanted:
         return
     try:
-        pool.wait_any(batches.running, deadline, take_ready)
+        pool.wait_any(batches.running, deadline, take_ready, batches.watch if poll else None)
     except WaitTimeout:
         what = "recv"
         if own_deadline:
@@ -217,8 +221,10 @@ class BatchMode(AsyncFrontEnd):
         sub-envs may still be running a :meth:`send` (the reset ones must be free)."""
         batches = self._batch_mode("async_reset")
         seeds, options, mask = self._plan_reset(seed, options, beside_sends=True)
-        check_free(batches, [i for i in range(self.num_envs) if mask[i]], "resetting them")
-        self.sandboxes.replace_dead()
+        resetting = [i for i in range(self.num_envs) if mask[i]]
+        check_free(batches, resetting, "resetting them")
+        # Only the reset ones: a dead sandbox still owing a step is wait()'s to report.
+        self.sandboxes.replace_dead(resetting)
         if self.config.reset_mode == "clone":
             self.sandboxes.reset_by_clone(mask)
         args = {i: [[seeds[i], options, True]] for i in range(self.num_envs) if mask[i]}
@@ -257,26 +263,46 @@ class BatchMode(AsyncFrontEnd):
             if not batches.busy():
                 self._state = AsyncState.DEFAULT
 
-    def _recv_one(self, timeout: float) -> tuple[int, Any] | None:
-        """Batch mode with ``batch_size=1`` (gym_fork/aio.py): the next finished sub-env's
-        index and its ``recv`` result (or the exception its call raised), None when none
-        finished within ``timeout`` s or none is running."""
+    def _recv_one(self, timeout: float) -> tuple[int, Any, dict] | None:
+        """Batch mode with ``batch_size=1`` (gym_fork/aio): the next finished sub-env's
+        index, its ``recv`` result (or the exception its call raised) and the info dict
+        its env returned (as it was: no ``env_id`` added, no ``_key`` read as a mask);
+        None when none finished within ``timeout`` s or none is running. Other errors
+        of the wait (a crash it could not place) are raised."""
         batches = self._batch_mode("recv")
         if self._state is not SENDING or not batches.busy():
             return None
         try:
             try:
-                wait(self, batches, timeout)
+                wait(self, batches, timeout, poll=True)
             except multiprocessing.TimeoutError:
                 return None
-            index = batches.done[0][0]
+            index, _op, result, _errors = batches.done[0]
+            infos = result[1] if isinstance(result, list | tuple) and len(result) > 1 else None
+            info = dict(infos[0]) if infos and isinstance(infos[0], dict) else {}
             try:
-                return index, take(self, batches)
+                return index, take(self, batches), info
             except Exception as exc:  # the sub-env's own error: its caller's to raise
-                return index, exc
+                return index, exc, {}
         finally:
             if not batches.busy():
                 self._state = AsyncState.DEFAULT
+
+    def _kill_overdue(self, index: int, what: str, timeout: float) -> BaseException:
+        """Batch mode (gym_fork/aio): sub-env ``index`` ran ``what`` past the vector env's
+        ``timeout``: kill its sandbox (a reset replaces it) and return the SubEnvTimeout."""
+        batches = self._batch_mode(what)
+        pool = self.sandboxes.pool
+        worker = pool.workers[index]
+        tree = pool.tree_note()  # who is stopped, before the kill
+        worker.kill()
+        worker.watch.wait_dead(1.0)
+        batches.running.pop(index, None)
+        batches.watch.stalls.pop(index, None)
+        if not batches.busy():
+            self._state = AsyncState.DEFAULT
+        detail = pool.crashed(worker, f"during {what}").args[0]
+        return timed_out(what, timeout, [detail], [worker], tree)
 
     def _batch_mode(self, what: str) -> Batches:
         self._assert_is_running()

@@ -300,9 +300,12 @@ class Sandboxes:
         self.clean_launch = {"reason": "warm parent holds CUDA", "evidence": evidence}
 
     # -- replace --------------------------------------------------------------------
-    def replace_dead(self) -> None:
-        """Fresh sandboxes for the workers found dead."""
-        self.replace(self.pool.dead_positions(), "replaced_dead_sandbox")
+    def replace_dead(self, only: list[int] | None = None) -> None:
+        """Fresh sandboxes for the workers found dead (of positions ``only``, if given)."""
+        dead = self.pool.dead_positions()
+        if only is not None:
+            dead = [k for k in dead if k in set(only)]
+        self.replace(dead, "replaced_dead_sandbox")
 
     def reset_by_clone(self, mask: np.ndarray) -> None:
         """Fresh clones of the warm parent for the workers whose sub-envs all reset."""

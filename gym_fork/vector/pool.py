@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gym_fork import notices
@@ -28,12 +29,21 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import Host, WorkerHandle
 from gym_fork.transport.codec import pack, pack_bare_request
-from gym_fork.transport.ring import AnyRing, wait
+from gym_fork.transport.ring import SLICE, AnyRing, wait
 from gym_fork.worker import protocol as P
 
 from .faults import corrupted, crashed, errors_exception, timed_out
 from .stalls import MAX_STOPS, Stall, stopped_error, stopped_note, tree_note
 from .waits import Deadline, WaitTimeout
+
+
+@dataclass
+class Watching:
+    """What :meth:`WorkerPool.wait_any` keeps between the short waits of one poller: when
+    it last checked liveness, and the stopped-sandbox clock of each position."""
+
+    checked: float = float("-inf")
+    stalls: dict[int, Stall | None] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -197,12 +207,20 @@ class WorkerPool:
         return stall
 
     def wait_any(
-        self, ops: dict[int, int], deadline: Deadline, take: Callable[[list[int]], bool]
+        self,
+        ops: dict[int, int],
+        deadline: Deadline,
+        take: Callable[[list[int]], bool],
+        watch: Watching | None = None,
     ) -> None:
         """Until ``take(positions)`` returns True: it gets the positions (in ``workers``)
         among ``ops`` (position -> the op it runs) whose worker has a reply there or is
         found dead, and removes from ``ops`` those it took. WaitTimeout at ``deadline``.
-        The wait and its checks are :meth:`receive`'s, on all of them at once."""
+        The wait and its checks are :meth:`receive`'s, on all of them at once.
+
+        ``watch``: for a caller that polls in short waits (gym_fork/aio): the liveness
+        checks and the stopped-sandbox clocks carry over from one wait to the next, and a
+        wait runs a check only once one is due (not at every poll's end)."""
         rings = AnyRing({k: self.workers[k].channel.inbox for k in ops})
 
         def taken(ready: list[int]) -> bool | None:
@@ -215,10 +233,15 @@ class WorkerPool:
         ready = rings.ready()
         if ready and taken(ready):  # the replies were there: no wait at all
             return
-        started = time.monotonic()  # the first liveness check comes a slice from now
-        stalls: dict[int, Stall | None] = {}
+        if watch is None:
+            started = time.monotonic()  # the first liveness check comes a slice from now
+            stalls: dict[int, Stall | None] = {}
+        else:
+            started, stalls = watch.checked, watch.stalls
 
         def between() -> bool | None:
+            if watch is not None:
+                watch.checked = time.monotonic()
             dead = []
             for k, op in ops.items():
                 stalls[k] = self._watch(self.workers[k], op, stalls.get(k))
@@ -230,7 +253,8 @@ class WorkerPool:
             ready = rings.within(ns)
             return None if ready is None else taken(ready)
 
-        if not wait(attempt, deadline.end, between, checked=started):
+        due = watch is None or time.monotonic() - started >= SLICE
+        if not wait(attempt, deadline.end, between if due else None, checked=started):
             raise WaitTimeout
 
     def collect(self, op: int, timeout: float | None, *, building: bool = False) -> list[Any]:
