@@ -4,6 +4,7 @@ installed into a fresh venv away from the source tree, and its commands run from
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,13 +22,33 @@ OFFLINE = ("--no-deps", "--no-index", "-q")
 pytest.importorskip("build", reason="needs the `build` package (the test extra has it)")
 
 
+def _copy_of_the_tree(target: Path) -> Path:
+    """The files git tracks (or, outside a checkout, the tree without build outputs),
+    copied: building writes its egg-info and build/ into the source, which must not
+    change under the suite (the microVM image packs the working directory)."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, timeout=60
+    )
+    if listed.returncode != 0:
+        skip = shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "__pycache__")
+        shutil.copytree(ROOT, target, ignore=skip)
+        return target
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        path = ROOT / name
+        if path.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target / name)
+    return target
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    source = _copy_of_the_tree(tmp_path_factory.mktemp("source") / "gym_fork")
     # --no-isolation: the build requirements are those of this venv (no index needed);
     # the wheel is built from the sdist, so a file missing from the sdist fails here.
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "-o", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--no-isolation", "-o", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
