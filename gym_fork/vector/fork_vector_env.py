@@ -5,22 +5,20 @@ one layer down (docs/architecture.md): ``config`` validates the options, ``lifec
 owns the sandboxes (warm parent, worker pool, slab), ``pool`` moves the records,
 ``faults`` turns what went wrong into exceptions, ``branching`` clones running
 sub-envs, ``provenance`` records the lineage, ``spaces`` batches spaces and actions.
+Its reports (isolation, lineage, stats) are ``reports.Reports``; how replies become
+batched results, ``results.Results``; batch mode's ``send``/``recv``, ``batches``.
 """
 
 from __future__ import annotations
 
-import copy as copy_module
 import inspect
-import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
-import numpy as np
 from gymnasium import Env, Space
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import concatenate
 
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.lineage import Lineage
@@ -36,8 +34,9 @@ from .foreign_arguments import refuse_foreign
 from .frontend import AsyncState
 from .lifecycle import Sandboxes, live_sandboxes
 from .opening import Opened, open_root
+from .reports import Reports
+from .results import Results
 from .spaces import ActionWriter, VectorSpaces
-from .waits import WaitTimeout
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
@@ -51,7 +50,8 @@ def _option(name: str) -> property:
     return property(attrgetter(f"config.{name}"), doc=f"The ``{name}`` option (read-only).")
 
 
-class ForkVectorEnv(BatchMode, VectorEnv):
+# The reports override VectorEnv's single np_random with one per sub-env (AsyncVectorEnv's).
+class ForkVectorEnv(Reports, Results, BatchMode, VectorEnv):  # type: ignore[misc]
     """Vectorized environment whose sub-envs run in forked, warm sandboxes.
 
     A drop-in :class:`gymnasium.vector.AsyncVectorEnv`: its arguments (then gym_fork's
@@ -246,55 +246,6 @@ class ForkVectorEnv(BatchMode, VectorEnv):
             _prepare=PrepareRecipe(warmup, ready_check, seed),
             **kwargs,
         )
-
-    # -- reports --------------------------------------------------------------------
-    # AsyncVectorEnv's contract, kept: one seed and one generator per sub-env, read-only
-    # (VectorEnv declares a single one, its generator settable).
-    @property
-    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
-        """Returns a tuple of np_random seeds for all the wrapped envs."""
-        return self.get_attr("np_random_seed")
-
-    @property  # type: ignore[misc]
-    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
-        """Returns the tuple of the numpy random number generators for the wrapped envs."""
-        return self.get_attr("np_random")
-
-    def _enforce_isolation(self, isolation: dict[str, Any]) -> None:
-        """``isolation="strict"``: close and raise if a layer is missing."""
-        try:
-            provenance.enforce_isolation(self.config, isolation)
-        except BaseException:
-            self._teardown(terminate=True)
-            raise
-
-    @property
-    def isolation(self) -> dict[str, Any]:
-        """The isolation this vector env's sandboxes actually achieved (as they reported)."""
-        return self.sandboxes.isolation() if self.sandboxes is not None else {}
-
-    @property
-    def lineage(self) -> Lineage:
-        """Provenance of this vector env: branch id, parent, baseline id, events."""
-        assert self._lineage is not None  # recorded when the env opened
-        return self._lineage
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the worker sandboxes, in sub-env order of their first index."""
-        return [w.pid for w in self.sandboxes.pool.workers] if self.sandboxes else []
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Per sub-env: its sandbox's pid, RSS and PSS (bytes) and GPU memory (bytes, from
-        NVML; None without a GPU or when the sandbox holds no CUDA context)."""
-        return provenance.sandbox_stats(self.sandboxes.pool.workers)
-
-    def sandbox_output(self, index: int, stream: str = "stderr") -> str:
-        """The last output (at most 64 KiB) of the sandbox hosting sub-env ``index``."""
-        for worker in self.sandboxes.pool.workers:
-            if index in worker.indices:
-                return worker.output_tail(stream)
-        raise IndexError(f"no sub-env {index} in a vector env of {self.num_envs}")
 
     # -- reset ----------------------------------------------------------------------
     def reset(
@@ -496,56 +447,6 @@ class ForkVectorEnv(BatchMode, VectorEnv):
         """On deleting the object, checks that the vector environment is closed."""
         if not getattr(self, "closed", True) and getattr(self, "sandboxes", None) is not None:
             self.close(terminate=True)
-
-    # -- plumbing -------------------------------------------------------------------
-    def _collect(self, timeout: float | None, op: int, what: str) -> list[Any]:
-        """Every worker's result; past ``timeout`` a multiprocessing.TimeoutError (late
-        replies are dropped later), past the vector env's own ``timeout`` the sandboxes
-        that did not answer are killed (SubEnvTimeout)."""
-        own = self.config.timeout
-        own_deadline = timeout is None and own is not None
-        pool = self.sandboxes.pool
-        try:
-            return pool.collect(op, own if own_deadline else timeout)
-        except WaitTimeout:
-            if own_deadline and own is not None:
-                raise pool.kill_unanswered(op, what, own) from None
-            raise multiprocessing.TimeoutError(
-                f"The call to `{what}` has timed out after {timeout} second(s)." + pool.tree_note()
-            ) from None
-        finally:
-            self._state = AsyncState.DEFAULT
-
-    def _gather(self, replies: list[Any]) -> dict[str, Any]:
-        """The infos of the workers' ``[observations, infos]`` replies to a reset or a
-        step, merged in sub-env order (a worker whose sub-envs all returned empty ones
-        sends None); observations that came in the replies, not the slab, are batched
-        into ``self.observations``."""
-        infos: dict[str, Any] = {}
-        observations: list[Any] = []
-        for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
-            if info_list is not None:
-                for k, index in enumerate(worker.indices):
-                    infos = self._add_info(infos, info_list[k], index)
-            if not self._obs_in_slab:
-                observations.extend(obs_list)
-        if not self._obs_in_slab:
-            self.observations = concatenate(
-                self.single_observation_space, observations, self.observations
-            )
-        return infos
-
-    def _observations_out(self) -> Any:
-        if self._obs_in_slab:
-            # Gathered from the workers' slabs: a new batch (copy=True), or into the
-            # vector env's own buffer (copy=False, as AsyncVectorEnv's shared view).
-            out = None if self.config.copy else self.observations
-            self.observations = self.sandboxes.slab_set().observations(out=out)
-            return self.observations
-        if not self.config.copy:
-            return self.observations
-        obs = self.observations
-        return obs.copy() if type(obs) is np.ndarray else copy_module.deepcopy(obs)
 
     def __repr__(self) -> str:
         """Same form as AsyncVectorEnv's repr."""
