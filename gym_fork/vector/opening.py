@@ -14,7 +14,7 @@ import numpy as np
 from gymnasium.vector.utils import create_empty_array
 
 from gym_fork.errors import SandboxStartError
-from gym_fork.transport.slab import async_shares, slab_node
+from gym_fork.transport.layout import async_shares, slab_node
 from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 
 from .config import VectorConfig

@@ -18,8 +18,9 @@ from gymnasium.vector.utils import (
 )
 
 from gym_fork.errors import BadActionError, SandboxStartError
-from gym_fork.transport.slab import SlabSet, leaf_values
-from gym_fork.transport.slab import leaves as slab_leaves
+from gym_fork.transport.layout import leaf_values
+from gym_fork.transport.layout import leaves as slab_leaves
+from gym_fork.transport.slab import SlabSet
 from gym_fork.transport.space_codec import SpaceRefused, space_from_data
 
 

@@ -26,7 +26,8 @@ from gymnasium.vector import AutoresetMode
 from gym_fork.errors import BadObservationError
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack, pack_empty_reply
-from gym_fork.transport.slab import Slab, _ArrayLeaf
+from gym_fork.transport.layout import ArrayLeaf
+from gym_fork.transport.slab import Slab
 from gym_fork.transport.space_codec import mapping_to_data, space_to_data
 
 from . import protocol as P
@@ -236,10 +237,10 @@ class Worker:
         # Hot path (docs/benchmarks-notebook.md, "where a small step's time goes"): the common
         # leaves are plain arrays, read and written here without a call per leaf.
         obs_array: np.ndarray | None = None  # set for a plain array leaf only
-        if type(obs_leaf) is _ArrayLeaf:
+        if type(obs_leaf) is ArrayLeaf:
             obs_array, obs_shape, obs_space = obs_leaf.array, obs_leaf.shape, obs_leaf.space
         act_leaf = slab.actions
-        scalar_actions = arg is None and type(act_leaf) is _ArrayLeaf and not act_leaf.shape
+        scalar_actions = arg is None and type(act_leaf) is ArrayLeaf and not act_leaf.shape
         if scalar_actions:
             act_array = act_leaf.array
         rewards, terminations, truncations = slab.rewards, slab.terminations, slab.truncations

@@ -7,7 +7,8 @@ import pytest
 from gymnasium import spaces
 from gymnasium.utils.env_checker import data_equivalence
 
-from gym_fork.transport.slab import Slab, async_shares, slab_node
+from gym_fork.transport.layout import async_shares, slab_node
+from gym_fork.transport.slab import Slab
 
 FIXED = [
     spaces.Box(-1, 1, (3,), np.float32),
