@@ -20,8 +20,9 @@ from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
 from gym_fork.text_safety import escape_controls
 from gym_fork.worker import protocol as P
 
+from .burial import bury
 from .frontend import ForkPlan
-from .lifecycle import Sandboxes, bury
+from .lifecycle import Sandboxes
 from .opening import Opened
 
 

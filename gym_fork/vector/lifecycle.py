@@ -1,5 +1,7 @@
 """Lifecycle of one vector env's sandboxes: start, replace, health, teardown.
 
+The release of killed sandboxes once their exit is seen is ``burial.py``'s.
+
 A :class:`Sandboxes` owns the warm parent (its host, shared with branches), the worker
 pool and the workers' slabs. It is handed everything it needs (config, spaces, lineage) and
 never calls back into the vector env.
@@ -10,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import threading
 import time
 import weakref
 from typing import Any
@@ -28,6 +29,7 @@ from gym_fork.lineage import Lineage
 from gym_fork.transport.slab import SlabSet
 from gym_fork.worker import protocol as P
 
+from .burial import burial_lock, bury, bury_all, release_gone
 from .config import VectorConfig, check_sandbox_count
 from .faults import errors_exception
 from .pool import WorkerPool
@@ -38,22 +40,14 @@ from .waits import Deadline, WaitTimeout
 # Every open set of sandboxes, so that interpreter exit without close() still cleans up
 # (and so that the per-controller ceiling on sandboxes counts them all).
 _OPEN: weakref.WeakSet[Sandboxes] = weakref.WeakSet()
-
-
-# Per warm parent: sandboxes a teardown killed whose exit the controller has not seen yet
-# (see bury()).
-_DYING: weakref.WeakKeyDictionary[Host, list[WorkerHandle]] = weakref.WeakKeyDictionary()
-_DYING_LOCK = threading.RLock()  # branches of one tree may be closed from two threads
 _OWNER = os.getpid()  # the process whose sandboxes these are (a fork of it inherits them)
 
 
 def _forget_in_forked_child() -> None:
     """In a fork of the controller: the parent's sandboxes are not ours to close."""
-    global _DYING_LOCK, _OWNER
-    _DYING_LOCK = threading.RLock()
+    global _OWNER
     _OWNER = os.getpid()
     _OPEN.clear()
-    _DYING.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_forked_child)
@@ -66,46 +60,7 @@ def _close_all_at_exit() -> None:
     for sandboxes in list(_OPEN):
         with contextlib.suppress(Exception):
             sandboxes.teardown(terminate=True)
-    for host in list(_DYING):
-        with contextlib.suppress(Exception):
-            bury(host, wait=True)
-
-
-def bury(host: Host, killed: list[WorkerHandle] | None = None, *, wait: bool) -> None:
-    """Release the sandboxes of ``host`` that were killed (``killed``, and those earlier
-    teardowns left) once their exit is seen: with ``wait``, all of them (each waited for
-    up to 1 s); without, those gone already, the others kept for later.
-
-    A killed sandbox runs no code again, but the kernel still tears its memory down
-    (~2 ms of a core for a 36 MB clone). While another vector env uses the warm parent,
-    close() returns without waiting for that: the next teardown or fork of the tree, the
-    close of its last user, or the interpreter's exit sees them gone."""
-    with _DYING_LOCK:
-        dying = _DYING.setdefault(host, [])
-        dying += killed or []
-        waiting = list(dying)
-    _release_gone(waiting, wait, dying)  # the waits outside the lock
-    with _DYING_LOCK:
-        if not dying and _DYING.get(host) is dying:
-            del _DYING[host]
-
-
-def _release_gone(
-    killed: list[WorkerHandle], wait: bool, listed: list[WorkerHandle] | None = None
-) -> None:
-    """Release those of ``killed`` whose exit is seen (with ``wait``: every one, after
-    up to 1 s each), each taken out of ``listed`` (shared: under the lock) once released;
-    one another caller released already is skipped, and an interruption leaves the
-    others listed (they are SIGKILLed already)."""
-    for worker in killed:
-        if not (worker.watch.wait_dead(1.0 if wait else 0) or wait):
-            continue
-        if listed is not None:
-            with _DYING_LOCK:
-                if worker not in listed:
-                    continue
-                listed.remove(worker)
-        worker.release()
+    bury_all()
 
 
 def _let_go(
@@ -116,7 +71,7 @@ def _let_go(
     (:func:`bury`); from its last user, they and those left before are waited for. Then
     it is released (closed by its last user), whatever the wait raised."""
     try:
-        with _DYING_LOCK:  # two last branches closing at once: one of them waits for all
+        with burial_lock():  # two last branches closing at once: one of them waits for all
             shared = any(other.host is host and other is not leaving for other in list(_OPEN))
             bury(host, killed, wait=not shared)
     finally:
@@ -423,7 +378,7 @@ class Sandboxes:
                 if host is not None:
                     _let_go(host, workers, leaving=self)
                 else:
-                    _release_gone(workers, wait=True)
+                    release_gone(workers, wait=True)
             finally:
                 _OPEN.discard(self)
                 if self.slabs is not None:

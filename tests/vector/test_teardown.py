@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 
 from gym_fork import ForkVectorEnv
-from gym_fork.vector import lifecycle
+from gym_fork.vector import burial, lifecycle
 from tests.helpers import alive, wait_until
 
 
@@ -18,7 +18,7 @@ def cartpole():
 
 
 def _dying(host) -> set[int]:
-    return {id(w) for w in lifecycle._DYING.get(host, [])}
+    return {id(w) for w in burial._DYING.get(host, [])}
 
 
 def test_a_closed_branch_is_killed_at_close_and_let_go_of_once_gone():
@@ -38,7 +38,7 @@ def test_a_closed_branch_is_killed_at_close_and_let_go_of_once_gone():
         envs.step(np.array([0]))  # the root is untouched
     finally:
         envs.close()
-    assert host not in lifecycle._DYING
+    assert host not in burial._DYING
 
 
 def test_the_last_user_of_a_tree_waits_for_every_sandbox_it_killed():
@@ -51,7 +51,7 @@ def test_the_last_user_of_a_tree_waits_for_every_sandbox_it_killed():
     envs.close()
     second.close()  # the last user: nothing is left once it returns
     assert not alive(pids)
-    assert host not in lifecycle._DYING
+    assert host not in burial._DYING
 
 
 def test_a_close_cut_short_still_kills_every_sandbox_and_closes_the_warm_parent(monkeypatch):
@@ -73,7 +73,7 @@ def test_a_close_cut_short_still_kills_every_sandbox_and_closes_the_warm_parent(
     else:
         raise AssertionError("the KeyboardInterrupt was swallowed")
     assert wait_until(lambda: not alive(pids), 5.0), [p for p in pids if alive([p])]
-    assert host not in lifecycle._DYING
+    assert host not in burial._DYING
     assert envs.sandboxes not in lifecycle._OPEN
 
 
