@@ -113,7 +113,7 @@ def _events() -> list[dict]:
 def fonts_loaded(tmp_path_factory):
     """matplotlib keeps the font files it has used open for the life of the process:
     draw once before the leak check of the first test takes its snapshot of fds."""
-    from gym_fork.lineage.picture import render_png
+    from gym_fork.lineage.png import render_png
 
     render_png(_events(), tmp_path_factory.mktemp("warm") / "warm.png")
 

@@ -9,7 +9,8 @@ from gym_fork.lineage.log import (
     read_log,
     read_logs,
 )
-from gym_fork.lineage.picture import render_html, render_png  # noqa: F401 (re-export)
+from gym_fork.lineage.picture import render_html  # noqa: F401 (re-export)
+from gym_fork.lineage.png import render_png  # noqa: F401 (re-export)
 from gym_fork.lineage.runs import Run, current_run, parse_since
 from gym_fork.lineage.tree import Lineage, LineageTree, render_tree
 

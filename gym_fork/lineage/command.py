@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from .log import default_log_path, read_logs
-from .picture import png_unavailable, render_html, render_png
+from .picture import render_html
+from .png import png_unavailable, render_png
 from .rotation import KEEP
 from .runs import parse_since, pick
 from .tree import render_tree

@@ -23,7 +23,8 @@ import pytest
 
 from gym_fork import cli
 from gym_fork.lineage import LineageLog, read_log, render_html, render_tree
-from gym_fork.lineage.picture import branch_nodes, render_png, select_trees
+from gym_fork.lineage.picture import branch_nodes, select_trees
+from gym_fork.lineage.png import render_png
 
 ROOT = Path(__file__).resolve().parents[2]
 PRECIOUS = b"root-owned, not the sandbox's to write\n"
