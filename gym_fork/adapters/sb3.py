@@ -2,6 +2,10 @@
 
 Install with ``pip install 'gym_fork[sb3]'``. ``ForkVecEnv(env_fns)`` replaces
 ``SubprocVecEnv(env_fns)`` / ``DummyVecEnv(env_fns)``; ``fork()`` branches it.
+
+(Over ~450 lines as one job: every method of SB3's ``VecEnv`` with its conventions for
+indices, actions and infos; the wrappers that carry state through ``fork()`` are
+``sb3_wrappers.py``, the info conversion ``infos.py``.)
 """
 
 from __future__ import annotations

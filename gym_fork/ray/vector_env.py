@@ -4,6 +4,10 @@ ForkVectorEnv; the Gymnasium vector API and ``fork()`` unchanged.
 The state machine, the argument checks and the root's lineage record are the local
 env's (:mod:`gym_fork.vector.frontend`, :mod:`gym_fork.vector.provenance`): the same
 misuse raises the same error on both.
+
+(Over ~450 lines as one job: each method of the Gymnasium vector API and ``fork()`` once,
+fanned out to the shards and gathered back; shards, placement and batching are their own
+modules.)
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Whatever a record's length, decoding it cannot be driven by its content: ext val
 level is a msgpack call on the C stack, and an untrusted record holds at most
 :data:`MAX_CHOSEN_HASH_KEYS` dict keys whose hash its sender can choose, since a dict of
 n colliding keys takes n**2 time under the GIL. Both raise :class:`DecodeTooBig`.
+
+(Over ~450 lines as one job: the encoder and the bounded decoder of one wire format must
+be read side by side, each ext type's two halves together.)
 """
 
 from __future__ import annotations
