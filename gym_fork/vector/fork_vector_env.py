@@ -40,10 +40,6 @@ from .spaces import ActionWriter, VectorSpaces
 
 __all__ = ["ForkVectorEnv", "auto_envs_per_worker"]
 
-# The constructor's arguments that are not VectorConfig fields (the lineage's, and
-# from_parent's PrepareRecipe).
-_NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
-
 
 def _option(name: str) -> property:
     """A read-only attribute that is the config's field ``name``."""

@@ -14,7 +14,11 @@ from gymnasium.vector import AutoresetMode
 
 from gym_fork.hosts.base import PrepareRecipe
 from gym_fork.vector.config import VectorConfig, check_env_fns, check_parent_count
-from gym_fork.vector.fork_vector_env import _NOT_OPTIONS, ForkVectorEnv
+from gym_fork.vector.fork_vector_env import ForkVectorEnv
+
+# The constructor's arguments that are not VectorConfig fields (the lineage's, and
+# from_parent's PrepareRecipe).
+_NOT_OPTIONS = frozenset({"self", "branch_id", "lineage_log", "_prepare"})
 
 
 def cartpole():
