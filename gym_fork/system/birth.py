@@ -52,9 +52,10 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gym_fork.system import cgroups, host_view, isolation, linux
+from gym_fork.system import cgroups, host_view, isolation, linux, sandbox_isolation
 from gym_fork.system import namespaces as ns
 from gym_fork.system.isolation import Isolation, IsolationConfig
+from gym_fork.system.limits import apply_limits, join_cgroups
 
 
 class Role(enum.Enum):
@@ -93,7 +94,7 @@ def _namespaces(b: Birth) -> None:
     if not b.namespaced:
         b.achieved.missing["read_only_host"] = "no mount namespace: the host's files as they are"
         return
-    flags = ns.CLONE_NEWNS | ns.CLONE_NEWIPC | isolation.own_network(b.config)
+    flags = ns.CLONE_NEWNS | ns.CLONE_NEWIPC | sandbox_isolation.own_network(b.config)
     try:
         ns.unshare(flags)
     except OSError as exc:
@@ -104,7 +105,9 @@ def _namespaces(b: Birth) -> None:
         except OSError:
             b.achieved.missing["ipc"] = f"its own IPC namespace: {exc}"
         return
-    b.achieved.sandbox.update(mount=True, ipc=True, net=bool(isolation.own_network(b.config)))
+    b.achieved.sandbox.update(
+        mount=True, ipc=True, net=bool(sandbox_isolation.own_network(b.config))
+    )
     if b.tree.tree.get("userns"):
         # As for a clone's maps: its own /proc files, for the tree's uid to write (not
         # dumpable again in confine, before any env code).
@@ -113,18 +116,20 @@ def _namespaces(b: Birth) -> None:
 
 def _oom_score_adj(b: Birth) -> None:
     try:
-        isolation.write_text("/proc/self/oom_score_adj", str(isolation.SANDBOX_OOM_SCORE_ADJ))
+        sandbox_isolation.write_text(
+            "/proc/self/oom_score_adj", str(isolation.SANDBOX_OOM_SCORE_ADJ)
+        )
         b.achieved.sandbox["oom_score_adj"] = isolation.SANDBOX_OOM_SCORE_ADJ
     except OSError as exc:
         b.achieved.missing["oom_score_adj"] = f"its OOM score could not be raised: {exc}"
 
 
 def _limits(b: Birth) -> None:
-    b.achieved.limits = isolation.apply_limits(b.config.limits, b.achieved.missing)
+    b.achieved.limits = apply_limits(b.config.limits, b.achieved.missing)
 
 
 def _cgroups(b: Birth) -> None:
-    isolation.join_cgroups(b.config, b.achieved, b.owner)
+    join_cgroups(b.config, b.achieved, b.owner)
 
 
 def _read_only_view(b: Birth) -> None:
@@ -148,7 +153,7 @@ def _private_tmp(b: Birth) -> None:
     if not b.own_mounts or not b.tree.tree.get("private_tmp"):
         return  # 1 or the tree said why
     try:
-        isolation.own_private_tmp(b.config, bool(b.tree.tree.get("userns")))
+        sandbox_isolation.own_private_tmp(b.config, bool(b.tree.tree.get("userns")))
         b.achieved.sandbox["private_tmp"] = b.achieved.sandbox["private_shm"] = True
     except OSError as exc:
         b.achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
@@ -164,10 +169,10 @@ def _writable_paths(b: Birth) -> None:
 
 
 def _clone_namespaces(b: Birth) -> None:
-    b.copy_from = isolation.clone_source(b.copy_from, b.tree)
+    b.copy_from = sandbox_isolation.clone_source(b.copy_from, b.tree)
     if b.namespaced:
         # Looked up at each birth: what the module holds now is what runs.
-        isolation.enter_clone_namespaces(b.config, b.tree, b.achieved)
+        sandbox_isolation.enter_clone_namespaces(b.config, b.tree, b.achieved)
 
 
 def _tmpdir(b: Birth) -> None:
@@ -176,8 +181,8 @@ def _tmpdir(b: Birth) -> None:
     if b.achieved.sandbox.get("private_tmp"):
         os.environ["TMPDIR"] = tempfile.tempdir = "/tmp"
         return
-    b.scratch = isolation.new_scratch_dir(f"gym_fork-scratch-{b.owner}-{os.getpid()}-")
-    isolation.copy_tree(b.copy_from, b.scratch)
+    b.scratch = sandbox_isolation.new_scratch_dir(f"gym_fork-scratch-{b.owner}-{os.getpid()}-")
+    sandbox_isolation.copy_tree(b.copy_from, b.scratch)
     os.environ["TMPDIR"] = tempfile.tempdir = b.scratch
     b.achieved.missing.setdefault(
         "private_tmp", "no private mounts: TMPDIR points to a private directory instead"
@@ -196,7 +201,7 @@ def _clone_limits(b: Birth) -> None:
     # Its rlimits are its source's (set again: the report says so); its cgroups are
     # those the controller made for it, joined before anything else (sandbox.py).
     achieved, limits = b.achieved, b.config.limits
-    achieved.limits = isolation.apply_limits(limits, achieved.missing)
+    achieved.limits = apply_limits(limits, achieved.missing)
     if limits.memory_bytes is not None or limits.processes is not None:
         joined = cgroups.joined_at_fork()
         errors = joined.pop("errors")
@@ -211,15 +216,17 @@ def _clone_limits(b: Birth) -> None:
         # Its own: past memory_bytes the OOM killer ends this branch, not its source.
         achieved.limits["cgroups"] = {**joined, "own_group": bool(joined)}
     if "shared_with_source" not in achieved.missing:  # no namespaces of its own
-        isolation.report_shared_with_source(achieved, isolation.clone_inherits_shared())
+        sandbox_isolation.report_shared_with_source(
+            achieved, sandbox_isolation.clone_inherits_shared()
+        )
 
 
 def _identity(b: Birth) -> None:
-    isolation.become_sandbox_user(b.tree, b.achieved, b.scratch)
+    sandbox_isolation.become_sandbox_user(b.tree, b.achieved, b.scratch)
 
 
 def _confine(b: Birth) -> None:
-    isolation.confine_sandbox(b.config, b.achieved, clone=b.role is Role.CLONE)
+    sandbox_isolation.confine_sandbox(b.config, b.achieved, clone=b.role is Role.CLONE)
 
 
 # (name, the roles that take it, the step), in the order they run: see the docstring.

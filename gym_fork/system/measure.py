@@ -38,7 +38,7 @@ class Measured:
     def shares_with(self, other: Measured) -> list[str]:
         """What this process shares with ``other`` that a sandbox must have of its own:
         mount and IPC namespaces, and the file systems of /tmp and /dev/shm (a tree's
-        network namespace is empty and shared by design: isolation.own_network)."""
+        network namespace is empty and shared by design: sandbox_isolation.own_network)."""
         shared = [n for n in ("mnt", "ipc") if self.links.get(n) == other.links.get(n)]
         shared += [p for p, dev in self.layers.items() if other.layers.get(p) == dev]
         return shared

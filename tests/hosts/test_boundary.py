@@ -587,12 +587,12 @@ class ForgesItsClones(FixedPathEnv):
     def forge(self):
         """Before a fork: keep the clone in this sandbox's namespaces, but let it claim
         (as an honest clone would) every layer."""
-        from gym_fork.system import isolation
+        from gym_fork.system import sandbox_isolation
 
         def fake(config, tree, achieved):
             achieved.sandbox.update(user=True, mount=True, ipc=True, net=True, private_tmp=True)
 
-        isolation.enter_clone_namespaces = fake
+        sandbox_isolation.enter_clone_namespaces = fake
 
 
 def test_a_source_cannot_make_its_branch_report_namespaces_it_does_not_have():
