@@ -18,7 +18,7 @@ gym_fork/hosts/process/parent.py, whose fork of the tree's pid 1 sits in the mid
 
 Each step is recorded, in order, under ``sandbox["birth"]`` of the sandbox's report (and
 ``tree["birth"]`` for the warm parent), so a test can check the order that ran against
-the one written here, and the result against /proc (tests/hosts/test_birth.py). A step
+the one written here, and the result against /proc (tests/system/test_birth.py). A step
 that cannot be done says why under ``missing``; none is skipped silently.
 
 The order of the sandbox steps, and why each is where it is:

@@ -1,4 +1,4 @@
-"""Envs for tests/hosts/test_identity.py: what a curious env tries from its sandbox."""
+"""Envs for tests/system/test_identity.py: what a curious env tries from its sandbox."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from gym_fork.errors import SubEnvCrashed
 from gym_fork.system import birth
 from gym_fork.system.birth import Role, steps_of
 from tests.helpers import wait_until
-from tests.hosts.birth_envs import CAP_SETFCAP, RecordsItsBirth, measured
+from tests.system.birth_envs import CAP_SETFCAP, RecordsItsBirth, measured
 
 pytestmark = [
     pytest.mark.process_only,

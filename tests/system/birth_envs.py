@@ -1,4 +1,4 @@
-"""Envs and /proc readings for tests/hosts/test_birth.py."""
+"""Envs and /proc readings for tests/system/test_birth.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Envs for tests/hosts/test_writable_paths.py (importable by reference: env_fns are
+"""Envs for tests/system/test_writable_paths.py (importable by reference: env_fns are
 pickled), probing writable_paths from inside a sandbox as a careless or hostile env."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 from gym_fork import ForkVectorEnv
 from gym_fork.system import namespaces as ns
 from gym_fork.system import paths as no_follow
-from tests.hosts.writable_envs import WritingEnv
+from tests.system.writable_envs import WritingEnv
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root here")
 

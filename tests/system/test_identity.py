@@ -21,7 +21,7 @@ import pytest
 
 from gym_fork import ForkVectorEnv, IsolationMissing
 from gym_fork.system import identity
-from tests.hosts.identity_envs import CuriousEnv, cgroup_planting_parent_env, planting_parent_env
+from tests.system.identity_envs import CuriousEnv, cgroup_planting_parent_env, planting_parent_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (sandboxes drop from it)")
 
@@ -128,7 +128,7 @@ _SCRUBBED = textwrap.dedent(
     """
     import sys
     from gym_fork import ForkVectorEnv
-    from tests.hosts.identity_envs import CuriousEnv
+    from tests.system.identity_envs import CuriousEnv
 
     kwargs = eval(sys.argv[1])
     envs = ForkVectorEnv([CuriousEnv], lineage_log=False, **kwargs)
