@@ -1,5 +1,5 @@
 """An idle sandbox rehearses a new sandbox's start before its assignment
-(gym_fork/hosts/process/sandbox.py rehearse): on a channel and slab of its own, with the
+(gym_fork/hosts/process/worker.py rehearse): on a channel and slab of its own, with the
 prepared env as it is, leaving nothing behind."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from gym_fork.hosts.process.sandbox import rehearse
+from gym_fork.hosts.process.worker import rehearse
 from gym_fork.system.isolation import IsolationConfig
 
 pytestmark = pytest.mark.process_only

@@ -1,4 +1,9 @@
-"""Controller side of the process host: one warm parent, many forked worker sandboxes."""
+"""Controller side of the process host: one warm parent, many forked worker sandboxes.
+
+The fork path (a FORK asked of running sandboxes, their clones' fds and cgroups) is
+``forking.py``, the isolation report of a sandbox or the tree ``isolation_report.py``:
+``ProcessHost.fork_many`` and ``ProcessHost.isolation`` hand over to them.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,14 @@ import socket
 import subprocess
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
 
 from gym_fork import notices
 from gym_fork.errors import SandboxStartError
-from gym_fork.gpu.cuda import ForkUnsafeError
 from gym_fork.hosts.base import (
-    CloneOrder,
     ForkJob,
     HostConfig,
     IsolationReport,
@@ -27,31 +29,26 @@ from gym_fork.hosts.base import (
     WorkerHandle,
     WorkerSpec,
 )
-from gym_fork.hosts.batching import fork_overlapped, spawn_in_batches
+from gym_fork.hosts.batching import spawn_in_batches
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.hosts.preparing import init_message, raise_prepare_failure
+from gym_fork.hosts.process import forking, isolation_report, preimport, zygote
 from gym_fork.hosts.process import messages as M
-from gym_fork.hosts.process import preimport, zygote
-from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
+from gym_fork.hosts.process.ends import SandboxEnds, hand_over
+from gym_fork.hosts.process.forking import SPAWN_BATCH
 from gym_fork.hosts.process.leases import MAX_LEASES, OWED_WAIT_S, IdleLeases, Lease
 from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
-from gym_fork.system.measure import Measured, achieved, measure
+from gym_fork.system.measure import Measured
 from gym_fork.system.scratch import sweep
 from gym_fork.text_safety import escape_controls
-from gym_fork.transport.control import MAX_FDS, peer_closed
+from gym_fork.transport.control import peer_closed
 from gym_fork.transport.typed_messages import adopt_pidfds
-from gym_fork.worker import protocol as P
-
-# Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
-# passes at most 253 fds in one message (SCM_MAX_FD).
-SPAWN_BATCH = 50
 
 # The id of every tree this process started (the host pid of the process that isolates
 # it, the warm parent's parent): its cgroups and scratch dirs carry that id, so a leak
 # check beside other processes' trees can tell its own apart.
 TREES_STARTED: set[int] = set()
-assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
 class ProcessHost(SharedByBranches):
@@ -304,101 +301,8 @@ class ProcessHost(SharedByBranches):
     def fork_many(
         self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
     ) -> list[list[WorkerHandle]]:
-        """Every source gets its clones' channels, sockets and output pipes on its side
-        socket and its FORK request (SPAWN_BATCH clones per request) before any answer
-        is awaited, so that the sources fork at once (gym_fork.hosts.batching.fork_overlapped:
-        a source's reply and side-socket answer are matched in order)."""
-        limits = self.config.isolation.limits
-        # A clone's cgroup fds come with its others: fewer clones per message then.
-        per_clone = M.FDS_PER_SANDBOX + cgroups.fds_per_clone(limits.memory_bytes, limits.processes)
-        made = fork_overlapped(
-            jobs,
-            min(SPAWN_BATCH, MAX_FDS // per_clone),
-            lambda job, orders, fds: self._start_fork(job, orders, fds, num_envs, ring_capacity),
-        )
-        for handles in made:
-            self._register(handles)
-        return made
-
-    def _start_fork(
-        self,
-        job: ForkJob,
-        orders: list[CloneOrder],
-        slab_fds: list[int],
-        num_envs: int,
-        ring_capacity: int,
-    ) -> Callable[[], list[WorkerHandle]]:
-        """Send one source its clones' fds and FORK request; returns what waits for the
-        answer and adopts the clones."""
-        source = job.source
-        ends = [SandboxEnds(order.spec, ring_capacity, self._collector()) for order in orders]
-        groups = self._clone_groups(len(orders))
-        fds = []
-        for end, slab_fd, own in zip(ends, slab_fds, groups.fds, strict=True):
-            fds += [slab_fd, *end.fds(), *own]
-        clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
-        link: SandboxLink = source.host_data
-        what = f"fork of {source.name}"
-        try:
-            try:
-                M.send(link.sock, M.CloneFds(len(orders), groups.controllers, groups.errors), fds)
-            finally:
-                groups.close_fds()  # the source has its copies
-            arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
-            waiting = job.ask_later(P.FORK, arg)
-        except BaseException:
-            for end in ends:
-                end.handed_over()
-                end.abort()
-            cgroups.remove_groups([p for paths in groups.paths for p in paths])
-            raise
-
-        def exchange() -> tuple[list[int], list[ProcessWatch]]:
-            pids = waiting()
-            if isinstance(pids, dict):  # refused: it would share memory with its clones
-                raise _shared_memory_refused(source, pids)
-            # The worker sent a pidfd of each clone on its side socket before replying.
-            reply, pidfds = M.receive_reply(link.sock, 5.0, what, M.ClonesForked)
-            if reply.pids != list(pids):
-                M.close_fds(pidfds)
-                raise SandboxStartError(f"{what}: pidfds do not match")
-            return pids, self._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
-
-        def finish() -> list[WorkerHandle]:
-            try:
-                pids, watches = hand_over(ends, exchange)
-            except BaseException:
-                # Clones killed and not yet gone keep theirs until the tree's are removed.
-                cgroups.remove_groups([p for paths in groups.paths for p in paths])
-                raise
-            handles = [
-                end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)
-            ]
-            for handle, paths in zip(handles, groups.paths, strict=True):
-                if paths:  # removed when the handle is released, i.e. once it is seen gone
-                    link = handle.host_data
-                    handle.host_data = _CloneLink(link.sock, link.local_pid, paths)
-            return handles
-
-        return finish
-
-    def _clone_groups(self, count: int) -> cgroups.CloneGroups:
-        """The clones' own cgroups, made here (the trusted side) when the limits ask for
-        any: a clone cannot make them (gym_fork/system/cgroups.py)."""
-        limits = self.config.isolation.limits
-        if limits.memory_bytes is None and limits.processes is None:
-            return cgroups.CloneGroups.none(count)
-        if self.watch is None or not self.tree_isolation.get("tree", {}).get("pid"):
-            # Without a pid namespace of the tree's, whoever holds a group's fd could move
-            # any process of the host into it (the controller's too).
-            why = "the tree has no pid namespace of its own, so no clone gets a group's fd"
-            asked = [("memory", limits.memory_bytes), ("pids", limits.processes)]
-            errors = {name: why for name, value in asked if value is not None}
-            return cgroups.CloneGroups.none(count, errors)
-        # Named by the process the controller started, as the warm parent names its tree.
-        return cgroups.make_clone_groups(
-            self.watch.pid, count, limits.memory_bytes, limits.processes
-        )
+        """Fork each job's clones from its running source (:func:`forking.fork_many`)."""
+        return forking.fork_many(self, jobs, num_envs, ring_capacity)
 
     def _assign_leased(
         self, lease: Lease, spec: WorkerSpec, slab_fd: int, ring_capacity: int, attach: bytes | None
@@ -472,56 +376,8 @@ class ProcessHost(SharedByBranches):
     def isolation(
         self, sandbox: dict[str, Any] | None = None, pid: int | None = None
     ) -> IsolationReport:
-        """What separates sandboxes on this host, as achieved (not as hoped).
-
-        ``sandbox`` is the report of one sandbox (its HELLO); without it, the tree's.
-        With ``pid`` (that sandbox's host pid) the namespaces, no_new_privs, seccomp,
-        capabilities and the read-only view are what the kernel says about the process
-        (gym_fork/system/measure.py), not what the sandbox said: env code may have run
-        in it before it reported.
-        """
-        report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
-        measured = None
-        if pid is not None:
-            measured = measure(pid, frozenset(self.config.isolation.shared_writable()))
-        seen = achieved(
-            report.get("tree") or self.tree_isolation.get("tree", {}),
-            report.get("sandbox", {}),
-            {**self.tree_isolation.get("missing", {}), **report.get("missing", {})},
-            measured,
-            self._others(pid),
-            self.config.isolation,
-        )
-        return IsolationReport(
-            host=self.kind,
-            network="off" if seen.namespaces["net"] else "host",
-            namespaces=seen.namespaces,
-            private_tmp=seen.private_tmp,
-            no_new_privs=seen.no_new_privs,
-            limits=report.get("limits", {}),
-            missing=seen.missing,
-            details={"process": True, "address_space": "copy-on-write fork", **seen.details},
-        )
-
-    def _measured_once(self, pid: int) -> Measured | None:
-        """What the kernel said about ``pid`` when first asked (namespaces and layers are
-        a sandbox's from its set-up on): each fork measures its new sandbox only."""
-        cache = self._measure_cache
-        if pid not in cache:
-            live = {h.pid for h in self.tree()} | {self.pid}
-            for gone in [p for p in cache if p not in live]:
-                del cache[gone]  # a dead sandbox's pid may be reused
-            cache[pid] = measure(pid)
-        return cache[pid]
-
-    def _others(self, pid: int | None) -> Iterator[tuple[int, Measured | None]]:
-        """The warm parent and the other live sandboxes of this tree (host pids), each
-        with what the kernel says about it."""
-        # The newest 16: a branch's source is among them when the branch is new, and
-        # the cost stays bounded in a tree search of thousands of sandboxes.
-        others = [h.pid for h in self.tree() if h.pid != pid][-16:]
-        for other in ([self.pid] if self.pid else []) + others:
-            yield other, self._measured_once(other)
+        """What separates sandboxes on this host, as achieved (isolation_report.py)."""
+        return isolation_report.isolation(self, sandbox, pid)
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell the warm parent to exit (it kills its workers) and reap it."""
@@ -560,33 +416,3 @@ def _reap_later(process: subprocess.Popen) -> None:
     """Reap ``process`` (killed, its pid namespace not torn down yet) once it exits, in a
     daemon thread: no zombie of ours is left behind, and close() does not wait for it."""
     threading.Thread(target=process.wait, name="gym_fork-reap", daemon=True).start()
-
-
-@dataclass
-class _CloneLink(SandboxLink):
-    """A clone's link, with its own cgroups (made by the controller): removed with it."""
-
-    cgroups: list[str] = field(default_factory=list)
-
-    def close(self) -> None:
-        super().close()
-        cgroups.remove_groups(self.cgroups)
-
-
-def _shared_memory_refused(source: WorkerHandle, refused: dict[str, Any]) -> ForkUnsafeError:
-    """The error for a FORK that ``shared_memory="refuse"`` refused, naming what the
-    source said its clones would share with it (its words: shown escaped)."""
-    names, envs = refused.get("shared_with_source"), refused.get("envs")
-    shown = [escape_controls(str(n)[:200]) for n in names[:5]] if isinstance(names, list) else []
-    kinds = [escape_controls(str(n)[:100]) for n in envs[:5]] if isinstance(envs, list) else []
-    env = f" ({', '.join(kinds)})" if kinds else ""
-    return ForkUnsafeError(
-        f"fork refused: sub-env(s) {source.indices}{env}, pid {source.pid}, map memory or "
-        f"files a fork does not copy: {', '.join(shown) or '(unnamed)'}. A branch's writes "
-        "through them would reach its source, and the source's the branch (anonymous "
-        "shared memory such as mmap.mmap(-1, n), multiprocessing's RawArray and Value). "
-        "Keep the env's state in private memory, or pass shared_memory='warn' to fork "
-        "anyway",
-        pid=source.pid,
-        evidence=shown,
-    )

@@ -1,0 +1,162 @@
+"""The controller's side of a FORK on the process host: each source gets its clones'
+channels, sockets, output pipes and cgroups, and its answer is checked and adopted as
+new sandboxes of the tree (the worker's side: ``sandbox.py``). ``ProcessHost.fork_many``
+(``host.py``) is :func:`fork_many`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gym_fork.errors import SandboxStartError
+from gym_fork.gpu.cuda import ForkUnsafeError
+from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
+from gym_fork.hosts.batching import fork_overlapped
+from gym_fork.hosts.process import messages as M
+from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
+from gym_fork.system import cgroups
+from gym_fork.system.linux import ProcessWatch
+from gym_fork.text_safety import escape_controls
+from gym_fork.transport.control import MAX_FDS
+from gym_fork.transport.typed_messages import adopt_pidfds
+from gym_fork.worker import protocol as P
+
+if TYPE_CHECKING:
+    from gym_fork.hosts.process.host import ProcessHost
+
+# Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
+# passes at most 253 fds in one message (SCM_MAX_FD).
+SPAWN_BATCH = 50
+assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
+
+
+def fork_many(
+    host: ProcessHost, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+) -> list[list[WorkerHandle]]:
+    """Every source gets its clones' channels, sockets and output pipes on its side
+    socket and its FORK request (SPAWN_BATCH clones per request) before any answer
+    is awaited, so that the sources fork at once (gym_fork.hosts.batching.fork_overlapped:
+    a source's reply and side-socket answer are matched in order)."""
+    limits = host.config.isolation.limits
+    # A clone's cgroup fds come with its others: fewer clones per message then.
+    per_clone = M.FDS_PER_SANDBOX + cgroups.fds_per_clone(limits.memory_bytes, limits.processes)
+    made = fork_overlapped(
+        jobs,
+        min(SPAWN_BATCH, MAX_FDS // per_clone),
+        lambda job, orders, fds: _start_fork(host, job, orders, fds, num_envs, ring_capacity),
+    )
+    for handles in made:
+        host._register(handles)
+    return made
+
+
+def _start_fork(
+    host: ProcessHost,
+    job: ForkJob,
+    orders: list[CloneOrder],
+    slab_fds: list[int],
+    num_envs: int,
+    ring_capacity: int,
+) -> Callable[[], list[WorkerHandle]]:
+    """Send one source its clones' fds and FORK request; returns what waits for the
+    answer and adopts the clones."""
+    source = job.source
+    ends = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
+    groups = _clone_groups(host, len(orders))
+    fds = []
+    for end, slab_fd, own in zip(ends, slab_fds, groups.fds, strict=True):
+        fds += [slab_fd, *end.fds(), *own]
+    clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
+    link: SandboxLink = source.host_data
+    what = f"fork of {source.name}"
+    try:
+        try:
+            M.send(link.sock, M.CloneFds(len(orders), groups.controllers, groups.errors), fds)
+        finally:
+            groups.close_fds()  # the source has its copies
+        arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
+        waiting = job.ask_later(P.FORK, arg)
+    except BaseException:
+        for end in ends:
+            end.handed_over()
+            end.abort()
+        cgroups.remove_groups([p for paths in groups.paths for p in paths])
+        raise
+
+    def exchange() -> tuple[list[int], list[ProcessWatch]]:
+        pids = waiting()
+        if isinstance(pids, dict):  # refused: it would share memory with its clones
+            raise _shared_memory_refused(source, pids)
+        # The worker sent a pidfd of each clone on its side socket before replying.
+        reply, pidfds = M.receive_reply(link.sock, 5.0, what, M.ClonesForked)
+        if reply.pids != list(pids):
+            M.close_fds(pidfds)
+            raise SandboxStartError(f"{what}: pidfds do not match")
+        return pids, host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+
+    def finish() -> list[WorkerHandle]:
+        try:
+            pids, watches = hand_over(ends, exchange)
+        except BaseException:
+            # Clones killed and not yet gone keep theirs until the tree's are removed.
+            cgroups.remove_groups([p for paths in groups.paths for p in paths])
+            raise
+        handles = [
+            end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)
+        ]
+        for handle, paths in zip(handles, groups.paths, strict=True):
+            if paths:  # removed when the handle is released, i.e. once it is seen gone
+                link = handle.host_data
+                handle.host_data = _CloneLink(link.sock, link.local_pid, paths)
+        return handles
+
+    return finish
+
+
+def _clone_groups(host: ProcessHost, count: int) -> cgroups.CloneGroups:
+    """The clones' own cgroups, made here (the trusted side) when the limits ask for
+    any: a clone cannot make them (gym_fork/system/cgroups.py)."""
+    limits = host.config.isolation.limits
+    if limits.memory_bytes is None and limits.processes is None:
+        return cgroups.CloneGroups.none(count)
+    if host.watch is None or not host.tree_isolation.get("tree", {}).get("pid"):
+        # Without a pid namespace of the tree's, whoever holds a group's fd could move
+        # any process of the host into it (the controller's too).
+        why = "the tree has no pid namespace of its own, so no clone gets a group's fd"
+        asked = [("memory", limits.memory_bytes), ("pids", limits.processes)]
+        errors = {name: why for name, value in asked if value is not None}
+        return cgroups.CloneGroups.none(count, errors)
+    # Named by the process the controller started, as the warm parent names its tree.
+    return cgroups.make_clone_groups(host.watch.pid, count, limits.memory_bytes, limits.processes)
+
+
+@dataclass
+class _CloneLink(SandboxLink):
+    """A clone's link, with its own cgroups (made by the controller): removed with it."""
+
+    cgroups: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        super().close()
+        cgroups.remove_groups(self.cgroups)
+
+
+def _shared_memory_refused(source: WorkerHandle, refused: dict[str, Any]) -> ForkUnsafeError:
+    """The error for a FORK that ``shared_memory="refuse"`` refused, naming what the
+    source said its clones would share with it (its words: shown escaped)."""
+    names, envs = refused.get("shared_with_source"), refused.get("envs")
+    shown = [escape_controls(str(n)[:200]) for n in names[:5]] if isinstance(names, list) else []
+    kinds = [escape_controls(str(n)[:100]) for n in envs[:5]] if isinstance(envs, list) else []
+    env = f" ({', '.join(kinds)})" if kinds else ""
+    return ForkUnsafeError(
+        f"fork refused: sub-env(s) {source.indices}{env}, pid {source.pid}, map memory or "
+        f"files a fork does not copy: {', '.join(shown) or '(unnamed)'}. A branch's writes "
+        "through them would reach its source, and the source's the branch (anonymous "
+        "shared memory such as mmap.mmap(-1, n), multiprocessing's RawArray and Value). "
+        "Keep the env's state in private memory, or pass shared_memory='warn' to fork "
+        "anyway",
+        pid=source.pid,
+        evidence=shown,
+    )
