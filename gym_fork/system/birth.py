@@ -14,7 +14,8 @@ by the code that forked it (never inferred from what the process inherited):
 
 The warm parent, where ``from_parent``'s prototype env is built and where the env_fns
 are unpickled, is born by :data:`WARM_PARENT_STEPS` (run by
-gym_fork/hosts/process/parent.py, whose fork of the tree's pid 1 sits in the middle).
+gym_fork/hosts/process/parent.py, whose fork of the tree's pid 1, tree_init.py, sits in
+the middle).
 
 Each step is recorded, in order, under ``sandbox["birth"]`` of the sandbox's report (and
 ``tree["birth"]`` for the warm parent), so a test can check the order that ran against

@@ -1,6 +1,7 @@
 """What a sandbox sees of the host's file system: the tree's minimal /dev, the views it
 keeps of the tree's /tmp and of the writable directories, and each sandbox's read-only
-mounts (used by gym_fork/system/isolation.py, in the order it gives)."""
+mounts (used by gym_fork/system/isolation.py and sandbox_isolation.py, in the order
+system/birth.py gives)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ programs would fail once a sandbox took them all.
 
 The uid is not in /etc/passwd: nothing needs it there (``getpass.getuser()`` reads
 ``USER`` first, which the sandbox keeps). A clone makes its own user namespace mapping
-its uid 0 to this uid (gym_fork/system/isolation.py), which an unprivileged process
+its uid 0 to this uid (gym_fork/system/sandbox_isolation.py), which an unprivileged process
 may do without any capability.
 
 Where env code could not read what it needs as another user (the working directory or

@@ -59,10 +59,6 @@ from typing import Any
 
 from gym_fork.system import cgroups, host_view, identity
 from gym_fork.system import namespaces as ns
-
-# Re-exported for gym_fork/hosts/process/ until it imports them from sandbox_isolation.
-from gym_fork.system.sandbox_isolation import before_forking_clones as before_forking_clones
-from gym_fork.system.sandbox_isolation import private_tmp_leftovers as private_tmp_leftovers
 from gym_fork.system.sandbox_isolation import write_text
 
 

@@ -20,7 +20,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING
 
-from gym_fork.system import confine, host_view, identity, linux, snapshot
+from gym_fork.system import confine, host_view, identity, landlock, linux, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -102,7 +102,7 @@ def own_network(config: IsolationConfig, clone: bool = False) -> int:
     tear down)."""
     if config.network:
         return 0
-    if not clone and confine.landlock_abi() >= confine.LANDLOCK_MIN_ABI:
+    if not clone and landlock.landlock_abi() >= landlock.LANDLOCK_MIN_ABI:
         return 0
     return ns.CLONE_NEWNET
 
@@ -293,7 +293,7 @@ def confine_sandbox(config: IsolationConfig, achieved: Isolation, clone: bool) -
         return
     try:
         # Its own domain, nested in its source's for a clone: out of reach of siblings.
-        achieved.sandbox["landlock"] = confine.enter_landlock_domain()
+        achieved.sandbox["landlock"] = landlock.enter_landlock_domain()
     except OSError as exc:
         achieved.missing["landlock"] = str(exc)
     try:

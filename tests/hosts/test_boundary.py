@@ -462,10 +462,10 @@ def test_a_user_namespace_but_no_cgroup_pid_or_uts_namespace_of_its_own():
 
 
 def test_a_sibling_cannot_reach_a_sandbox_through_a_program_it_executed():
-    from gym_fork.system import confine
+    from gym_fork.system import landlock
 
-    if confine.landlock_abi() < confine.LANDLOCK_MIN_ABI:
-        pytest.skip(f"Landlock ABI {confine.landlock_abi()} < 6 here: not scoped")
+    if landlock.landlock_abi() < landlock.LANDLOCK_MIN_ABI:
+        pytest.skip(f"Landlock ABI {landlock.landlock_abi()} < 6 here: not scoped")
     envs = ForkVectorEnv([Prober] * 2, envs_per_worker=1, lineage_log=False)
     try:
         helper = envs.call("start_helper")[0]

@@ -11,7 +11,7 @@ import pytest
 from gymnasium import spaces
 
 from gym_fork import ForkVectorEnv, GymForkError
-from gym_fork.system.confine import landlock_abi
+from gym_fork.system.landlock import landlock_abi
 from gym_fork.vector import provenance
 from tests.helpers import SpaceEnv
 

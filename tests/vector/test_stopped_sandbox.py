@@ -265,10 +265,10 @@ def test_a_stopped_idle_pool_is_skipped_and_resets_keep_working(monkeypatch):
 
 
 def test_a_sandbox_cannot_stop_its_siblings(monkeypatch):
-    from gym_fork.system import confine
+    from gym_fork.system import landlock
 
-    if confine.landlock_abi() < confine.LANDLOCK_MIN_ABI:
-        pytest.skip(f"Landlock ABI {confine.landlock_abi()} < 6: signals are not scoped here")
+    if landlock.landlock_abi() < landlock.LANDLOCK_MIN_ABI:
+        pytest.skip(f"Landlock ABI {landlock.landlock_abi()} < 6: signals are not scoped here")
     monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "2")
     with vector_env([stopper] * 2, envs_per_worker=1, lineage_log=False) as envs:
         envs.reset(seed=0)

@@ -14,7 +14,7 @@ Each travels as a dict ``{"op": OP, field: value, ...}`` in a control-socket fra
 3. warm parent -> idle sandbox (``idle.py``): :class:`Assign` (+ its fds); or, the
    sandbox leased (:class:`Leased` on the lease channel, from the warm parent to the
    controller), controller -> idle sandbox: the same :class:`Assign`.
-4. controller -> worker, on its side socket (``host.py`` / ``sandbox.py``):
+4. controller -> worker, on its side socket (``forking.py`` / ``sandbox.py``):
    :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` and its cgroups' fds per clone) goes with the
    ring's FORK request, answered :class:`ClonesForked` (+ pidfds) before the FORK reply
    (none if the FORK is refused: its reply says why).

@@ -79,7 +79,7 @@ def _enter_tree_user_namespace(tree: Isolation, asked: int, answered: int) -> No
     and none on the host: what env code runs in it (from_parent's env_fn and warmup,
     the env_fns' imports) is that uid's, on a host it cannot write. Where the kernel
     refuses, the tree stays root and its sandboxes change uid themselves
-    (gym_fork/system/isolation.py)."""
+    (gym_fork/system/sandbox_isolation.py)."""
     uid = tree.tree["uid"]
     parent = os.getppid()
     groups = os.getgroups()
