@@ -78,6 +78,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("GYM_FORK_SPIN", "integer", "400",
          "Busy-wait rounds of a ring wait before it sleeps on a futex (0: sleep at once).",
          "tuning"),
+    Knob("GYM_FORK_LEASES", "0 turns it off", "1",
+         "Take the idle sandboxes a warm parent leases ahead of need (0: every spawn asks "
+         "the warm parent; benchmarks/lease_ab.py measures both).",
+         "tuning"),
     Knob("GYM_FORK_SCRATCH_BASE", "path", "",
          "The host temp dir scratch directories live in; set by gym_fork at its first "
          "scratch directory so sandboxes and later processes agree.", "internal"),

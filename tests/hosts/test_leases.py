@@ -67,6 +67,22 @@ def test_a_reset_by_clone_takes_a_leased_idle_sandbox(monkeypatch):
     assert wait_until(lambda: not alive(held), 5.0), "leased idle sandboxes outlived close()"
 
 
+def test_leases_off_every_reset_by_clone_asks_the_warm_parent(monkeypatch):
+    # GYM_FORK_LEASES=0 (benchmarks/lease_ab.py's other contender): the channel the warm
+    # parent sends is closed at once, its idle sandboxes wait in its pool and still serve.
+    monkeypatch.setenv("GYM_FORK_IDLE_SANDBOXES", "2")
+    monkeypatch.setenv("GYM_FORK_LEASES", "0")
+    with contextlib.closing(ForkVectorEnv.from_parent(cartpole, 1)) as envs:
+        seen = set()
+        for seed in range(5):
+            envs.reset(seed=seed)
+            envs.step(ONE)
+            seen.update(envs.worker_pids)
+            held = envs.sandboxes.host._leases
+            assert held.channel is None and not held.ready, "a lease was taken"
+        assert len(seen) == 5  # a fresh clone at every reset all the same
+
+
 @pytest.fixture
 def one_lease(monkeypatch):
     """A vector env whose warm parent has leased its one idle sandbox, and that pid."""

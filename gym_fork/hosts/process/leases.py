@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gym_fork import knobs
 from gym_fork.errors import ControlMessageError, SandboxStartError
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import child_state
@@ -96,7 +97,8 @@ class IdleLeases:
 
     def __init__(self) -> None:
         self.channel: socket.socket | None = None
-        self.given_up = False  # a channel was closed: none is taken again
+        # A channel was closed: none is taken again (GYM_FORK_LEASES=0: none ever).
+        self.given_up = knobs.read("GYM_FORK_LEASES") == "0"
         self.ready: list[Lease] = []
         self.taking: set[int] = set()  # pids of leases taken, not yet settled
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
