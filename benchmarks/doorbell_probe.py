@@ -20,7 +20,7 @@ import os
 import time
 
 from gym_fork.hosts.microvm.accel import choose_accel
-from gym_fork.hosts.microvm.image import build_image
+from gym_fork.hosts.microvm.building.image import build_image
 from gym_fork.hosts.microvm.machine import Machine, MachineConfig, new_memfd
 from gym_fork.transport.channel import Channel, region_bytes
 

@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _image(action: str, force: bool, quiet: bool = False) -> int:
     """``gym-fork image build|kernel|show|clear-cache``: the microVM guest pieces."""
-    from gym_fork.hosts.microvm.image import ImageError, build_image, plan_image
-    from gym_fork.hosts.microvm.kernel import KernelNotFound, fetch_debian_kernel
+    from gym_fork.hosts.microvm.building.image import ImageError, build_image, plan_image
+    from gym_fork.hosts.microvm.building.kernel import KernelNotFound, fetch_debian_kernel
 
     if action == "clear-cache":
-        from gym_fork.hosts.microvm.image_cache import clear, images_dir
+        from gym_fork.hosts.microvm.building.image_cache import clear, images_dir
 
         done = clear()
         print(

@@ -138,7 +138,7 @@ def _microvm() -> Check:
         return Check(
             "microvm", "missing", f"host='microvm' needs {'; '.join(missing)}: {INSTALL_HINT}"
         )
-    from gym_fork.hosts.microvm.image import plan_image
+    from gym_fork.hosts.microvm.building.image import plan_image
 
     try:
         plan = plan_image()
@@ -200,7 +200,8 @@ def _accelerator(image) -> tuple[str, str]:
 
 
 def _cache() -> Check:
-    from gym_fork.hosts.microvm import image_cache, template_cache
+    from gym_fork.hosts.microvm import template_cache
+    from gym_fork.hosts.microvm.building import image_cache
     from gym_fork.hosts.microvm.paths import cache_root
 
     images = image_cache.images_by_use()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gym_fork import doctor
-from gym_fork.hosts.microvm.kernel import KernelNotFound, find_kernel
+from gym_fork.hosts.microvm.building.kernel import KernelNotFound, find_kernel
 
 # Measured ~2 s here (2 cores); a machine 3x slower and a loaded CI runner stay well
 # inside this. It is a hang guard, not a speed assertion.

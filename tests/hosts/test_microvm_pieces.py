@@ -16,10 +16,11 @@ import pytest
 
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.microvm import image_cache, requirements, selection
-from gym_fork.hosts.microvm.cpio import write_newc
-from gym_fork.hosts.microvm.image import _Manifest
-from gym_fork.hosts.microvm.kernel import Kernel
+from gym_fork.hosts.microvm import requirements
+from gym_fork.hosts.microvm.building import image_cache, selection
+from gym_fork.hosts.microvm.building.cpio import write_newc
+from gym_fork.hosts.microvm.building.kernel import Kernel
+from gym_fork.hosts.microvm.building.root import _Manifest
 from gym_fork.system.isolation import SandboxLimits
 
 NONE = selection.Selection(False, (), (), ())
@@ -292,7 +293,7 @@ def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path
     import os
     import time
 
-    from gym_fork.hosts.microvm import image
+    from gym_fork.hosts.microvm.building import root
 
     tree = tmp_path / "code"
     (tree / "pkg").mkdir(parents=True)
@@ -300,9 +301,9 @@ def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path
     (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF")
     calls = []
 
-    def collect(python: str, chosen) -> image._Manifest:
+    def collect(python: str, chosen) -> root._Manifest:
         calls.append(python)
-        manifest = image._Manifest()
+        manifest = root._Manifest()
         manifest.add_tree(str(tree))
         # only the tree: pytest's own directories above it change as other tests run
         manifest.entries = {k: v for k, v in manifest.entries.items() if k.startswith(str(tree))}
@@ -313,24 +314,24 @@ def test_the_collection_is_reused_until_a_directory_or_elf_file_changes(tmp_path
         for path in paths:
             os.utime(path, (old, old))
 
-    monkeypatch.setattr(image, "_collect", collect)
-    monkeypatch.setattr(image, "_collected", {})
+    monkeypatch.setattr(root, "_collect", collect)
+    monkeypatch.setattr(root, "_collected", {})
     age(tree, tree / "pkg", tree / "pkg" / "ext.so")
-    first = image._collect_memoised("py", NONE)
-    assert image._collect_memoised("py", NONE) is first and len(calls) == 1
+    first = root._collect_memoised("py", NONE)
+    assert root._collect_memoised("py", NONE) is first and len(calls) == 1
     before = first.digest([])
     (tree / "pkg" / "mod.py").write_text("x = 2  # edited in place\n")
-    assert image._collect_memoised("py", NONE) is first  # same entries; the digest sees the edit
+    assert root._collect_memoised("py", NONE) is first  # same entries; the digest sees the edit
     assert first.digest([]) != before
     (tree / "pkg" / "new.py").write_text("y = 1\n")  # a new file: its directory changed
-    second = image._collect_memoised("py", NONE)
+    second = root._collect_memoised("py", NONE)
     assert second is not first and str(tree / "pkg" / "new.py") in second.entries
     assert len(calls) == 2
-    assert image._collect_memoised("py", NONE) is second or len(calls) == 3  # racy: not kept
+    assert root._collect_memoised("py", NONE) is second or len(calls) == 3  # racy: not kept
     age(tree / "pkg")
-    third = image._collect_memoised("py", NONE)
-    assert image._collect_memoised("py", NONE) is third
+    third = root._collect_memoised("py", NONE)
+    assert root._collect_memoised("py", NONE) is third
     count = len(calls)
     (tree / "pkg" / "ext.so").write_bytes(b"\x7fELF rebuilt")  # its libraries may differ
-    assert image._collect_memoised("py", NONE) is not third and len(calls) == count + 1
-    assert image._collect_memoised("py", NONE, force=True) and len(calls) == count + 2
+    assert root._collect_memoised("py", NONE) is not third and len(calls) == count + 1
+    assert root._collect_memoised("py", NONE, force=True) and len(calls) == count + 2

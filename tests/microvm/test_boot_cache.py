@@ -17,7 +17,7 @@ import pytest
 
 from gym_fork.hosts.microvm import boot, template_cache, template_dir
 from gym_fork.hosts.microvm.accel import choose_accel
-from gym_fork.hosts.microvm.image import build_image
+from gym_fork.hosts.microvm.building.image import build_image
 from gym_fork.hosts.microvm.machine import MachineConfig, new_memfd
 from gym_fork.hosts.microvm.snapshot import BranchPoint
 from gym_fork.transport.channel import DEFAULT_RING_BYTES, region_bytes

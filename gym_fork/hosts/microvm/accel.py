@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from gym_fork import knobs
-from gym_fork.hosts.microvm.image import GuestImage
+from gym_fork.hosts.microvm.building.image import GuestImage
 from gym_fork.hosts.microvm.machine import qemu_binary
 from gym_fork.hosts.microvm.paths import cache_root
 

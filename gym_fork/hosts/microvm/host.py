@@ -44,10 +44,10 @@ from gym_fork.hosts.base import (
     WorkerHandle,
     WorkerSpec,
 )
-from gym_fork.hosts.microvm import image_cache
 from gym_fork.hosts.microvm.accel import choose_accel
 from gym_fork.hosts.microvm.boot import boot_template, first_message, start_slabless
-from gym_fork.hosts.microvm.image import GuestImage, ImageError, build_image
+from gym_fork.hosts.microvm.building import image_cache
+from gym_fork.hosts.microvm.building.image import GuestImage, ImageError, build_image
 from gym_fork.hosts.microvm.machine import (
     Machine,
     MachineConfig,

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gym_fork.hosts.microvm.image import GuestImage
+from gym_fork.hosts.microvm.building.image import GuestImage
 from gym_fork.hosts.microvm.qmp import QMP, QMPError
 from gym_fork.hosts.output import OutputCollector
 from gym_fork.system import linux

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from gym_fork.hosts.microvm.kernel import KernelNotFound, find_kernel
+from gym_fork.hosts.microvm.building.kernel import KernelNotFound, find_kernel
 from gym_fork.hosts.microvm.machine import qemu_binary
 
 INSTALL_HINT = (
