@@ -1,7 +1,7 @@
 """Controller side of the microVM host: one frozen warm parent VM, clones restored from it.
 
 The warm parent is a boot template (:mod:`.boot`: a guest booted once per process from
-the image, :mod:`.image`) resumed in a new QEMU, whose agent prepares the env_fns
+the image, :mod:`.building.image`) resumed in a new QEMU, whose agent prepares the env_fns
 exactly as the process host's warm parent does, then waits. The host
 freezes it there: its RAM stays in a memfd (``share=on``: the guest wrote straight into
 it) and its device state is saved with ``x-ignore-shared`` (a few hundred KB). Every
@@ -20,6 +20,10 @@ What is shared and what is private, per clone:
   channel region.
 - shared with the controller (and sibling sandboxes of one vector env): the batch slab,
   where each sandbox writes only its own rows.
+
+(Over ~450 lines as one job: the Host methods of one microVM warm parent and the clone
+restore they share; branch points are snapshot.py's, boot templates boot.py's, QEMU
+itself machine.py's, image building building/'s.)
 """
 
 from __future__ import annotations
