@@ -29,6 +29,7 @@ import peers  # the contenders and the ceiling, as the peers table runs them
 
 TICK = os.sysconf("SC_CLK_TCK")
 CONTENDERS = ("fork auto", "fork 1 per sandbox", "ceiling")
+# --knob NAME=VALUE adds "fork auto NAME=VALUE": the same env with that knob set.
 
 
 def proc_times(pid: int) -> tuple[float, float, int, int] | None:
@@ -113,6 +114,8 @@ def ceiling_run(kind: str, n: int, steps: int) -> dict:
 
 
 def one(contender: str, kind: str, n: int, steps: int) -> dict:
+    if contender.startswith("fork auto GYM_FORK_"):
+        return fork_run(kind, n, steps, "auto")  # the knob is in our environment
     if contender == "ceiling":
         return ceiling_run(kind, n, steps)
     return fork_run(kind, n, steps, 1 if contender == "fork 1 per sandbox" else "auto")
@@ -125,14 +128,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument(
+        "--knob", action="append", default=[], help="NAME=VALUE: one more contender"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.kind, args.envs, args.steps)))
         return
     runs = []
+    contenders = (*CONTENDERS, *(f"fork auto {k}" for k in args.knob))
     for round_ in range(args.rounds):
-        for contender in CONTENDERS:
+        for contender in contenders:
+            env = dict(os.environ)
+            if contender.startswith("fork auto GYM_FORK_"):
+                name, _, value = contender.removeprefix("fork auto ").partition("=")
+                env[name] = value
             before = os.getloadavg()[0]
             argv = [
                 sys.executable,
@@ -146,7 +157,7 @@ def main() -> None:
                 "--steps",
                 str(args.steps),
             ]
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
             if done.returncode != 0:
                 raise SystemExit(f"{contender} failed:\n{done.stderr[-3000:]}")
             got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -164,7 +175,7 @@ def main() -> None:
             )
     print(f"\n{args.kind} x{args.envs}, {os.cpu_count()} cores, medians of {args.rounds} (min-max)")
     ceiling = statistics.median(r["steps_per_s"] for r in runs if r["contender"] == "ceiling")
-    for contender in CONTENDERS:
+    for contender in contenders:
         rates = [r["steps_per_s"] for r in runs if r["contender"] == contender]
         print(
             f"  {contender:19s} {statistics.median(rates):8.0f} "

@@ -78,6 +78,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("GYM_FORK_SPIN", "integer", "400",
          "Busy-wait rounds of a ring wait before it sleeps on a futex (0: sleep at once).",
          "tuning"),
+    Knob("GYM_FORK_LONG_SPIN", "integer", "4000",
+         "Spin rounds of the ring waits around steps that take 1 ms or more (worker: its "
+         "own steps; controller: its waits for them); set it to GYM_FORK_SPIN's value to "
+         "keep every wait at that (benchmarks/cpu_roles.py --knob measures it).",
+         "tuning"),
     Knob("GYM_FORK_LEASES", "0 turns it off", "1",
          "Take the idle sandboxes a warm parent leases ahead of need (0: every spawn asks "
          "the warm parent; benchmarks/lease_ab.py measures both).",

@@ -154,6 +154,7 @@ class Ring:
                 worker=name,
                 reason=_REASONS.get(rc, str(rc)),
             )
+        self.polling = poll
         # Doorbells (microVM channels): the fd this side blocks on when idle (reads), and
         # the fd to write a byte to when the peer sleeps on its own (writes). -1: none.
         self.bell_fd = -1
@@ -164,6 +165,11 @@ class Ring:
         self._out = bytearray(4096)
         self._out_c = ffi.from_buffer(self._out)
         self._needed = ffi.new("uint64_t *")
+
+    def set_spin(self, rounds: int) -> None:
+        """Spin ``rounds`` before sleeping from now on (a polling ring keeps its own)."""
+        if not self.polling:
+            self.spin = rounds
 
     def sync(self) -> None:
         """Adopt the counters now in the control block (after they were set from a copy)."""

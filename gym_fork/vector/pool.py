@@ -29,7 +29,9 @@ from gym_fork.errors import (
 )
 from gym_fork.hosts.base import Host, WorkerHandle
 from gym_fork.transport.codec import pack, pack_bare_request
-from gym_fork.transport.ring import SLICE, AnyRing, wait
+from gym_fork.transport.ring import DEFAULT_SPIN, SLICE, AnyRing, wait
+from gym_fork.transport.spin import SpinChoice
+from gym_fork.transport.spin import apply as apply_spin
 from gym_fork.worker import protocol as P
 
 from .faults import corrupted, crashed, errors_exception, timed_out
@@ -71,6 +73,8 @@ class WorkerPool:
         self.label = "?"
         self.send_timeout = send_timeout
         self._seq = 0
+        self._spin = SpinChoice()  # the spin of the waits for step replies
+        self._spinning_long = False
         self._held: list[tuple[WorkerHandle, bytes]] = []
         self._watched: WorkerHandle | None = None  # the wait receive() is in: worker,
         self._watched_op = 0  # op,
@@ -262,6 +266,7 @@ class WorkerPool:
         raised once all have answered (the vector env stays usable)."""
         deadline = Deadline(timeout)
         results, errors = [], []
+        started = time.perf_counter()
         for worker in self.workers:
             try:
                 _op, _seq, result, worker_errors = self.receive(worker, deadline, op)
@@ -275,6 +280,11 @@ class WorkerPool:
             results.append(result)
             if worker_errors:
                 errors.extend(worker_errors)
+        if op == P.STEP:  # long steps: wait for the next replies spinning longer
+            rounds = self._spin.observe(time.perf_counter() - started)
+            if rounds != DEFAULT_SPIN or self._spinning_long:  # (new workers start short)
+                self._spinning_long = rounds != DEFAULT_SPIN
+                apply_spin([w.channel.inbox for w in self.workers], rounds)
         if errors:
             raise errors_exception(errors, building=building, trusted=self.trusted)
         return results

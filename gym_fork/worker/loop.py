@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsFloat
@@ -29,6 +30,7 @@ from gym_fork.transport.codec import pack, pack_empty_reply
 from gym_fork.transport.layout import ArrayLeaf
 from gym_fork.transport.slab import Slab
 from gym_fork.transport.space_codec import mapping_to_data, space_to_data
+from gym_fork.transport.spin import SpinChoice
 
 from . import protocol as P
 from .protocol import error_record
@@ -357,6 +359,9 @@ class Worker:
         }
         channel = self.channel
         receive = self._recv_asleep if first_wait_asleep else channel.recv
+        spin = SpinChoice()  # long steps: wait for the next request spinning longer
+        inbox = channel.inbox
+        clock = time.perf_counter
         while True:
             op, seq, arg = receive()
             receive = channel.recv
@@ -370,6 +375,12 @@ class Worker:
             if handler is None:
                 result = None
                 errors = [error_record(self.indices[0], RuntimeError(f"unknown operation {op!r}"))]
+            elif op == P.STEP:
+                started = clock()
+                result, errors = handler(arg)
+                rounds = spin.observe(clock() - started)
+                if inbox.spin != rounds:
+                    inbox.set_spin(rounds)
             else:
                 result, errors = handler(arg)
             if result is NO_REPLY:

@@ -24,7 +24,7 @@ ACT = spaces.Discrete(3)
 class Harness:
     """A worker for sub-envs ``indices`` served in a thread; the test plays controller."""
 
-    def __init__(self, indices, fail_build=None):
+    def __init__(self, indices, fail_build=None, env_class=SpaceEnv):
         self.channel = Channel.create("test worker", 1 << 16)
         theirs = Channel.attach(os.dup(self.channel.region.fd), 1 << 16, "test worker")
         slab_fd = os.memfd_create("gym_fork-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -32,7 +32,7 @@ class Harness:
         def make_env(origin):
             if origin == fail_build:
                 raise RuntimeError("cannot build")
-            return SpaceEnv(OBS, ACT, max_len=50, trunc_prob=0)
+            return env_class(OBS, ACT, max_len=50, trunc_prob=0)
 
         self.worker = Worker(theirs, indices, indices, make_env, os.dup(slab_fd))
         self.slabs = SlabSet(OBS, ACT, [len(indices)], [slab_fd], use_observations=True)
