@@ -15,7 +15,8 @@ channel, with a pidfd of it and its assignment socket), which then sends a new
 sandbox's spec and fds to it directly: no round trip to the warm parent before a clone
 starts, and the warm parent's work after its fork (it copies the pages it writes, ~2 ms)
 off that path. An idle sandbox closes its end of a "taken" pipe once assigned; its EOF
-(or the sandbox's death) tells the warm parent to make the next one.
+(or the sandbox's death) tells the warm parent to make the next one. A lease's states at
+both ends, and what leases are measured to buy: leases.py's docstring.
 
 An idle sandbox holds nothing of the controller's: it closes the warm parent's socket,
 its pidfd of the controller, the lease channel and the other idle sandboxes' sockets and
