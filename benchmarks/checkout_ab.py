@@ -6,8 +6,8 @@
 
 Each measurement is a fresh interpreter whose ``gym_fork`` comes from one checkout
 (PYTHONPATH; the probe prints where it imported it from), the two checkouts interleaved,
-``--rounds`` rounds. Probes: CartPole x8 steps/s (ForkVectorEnv, envs_per_worker auto),
-the 100 us step x8 steps/s, a reset by clone + first step (``from_parent`` x1,
+``--rounds`` rounds. Probes: CartPole x8, the 100 us step x8 and Pong x8 steps/s (ForkVectorEnv,
+envs_per_worker auto), a reset by clone + first step (``from_parent`` x1,
 back to back) and a ``fork()`` + first step of a 1-env branch, each p50 over its run.
 Reports the median over rounds with min-max and new / base.
 """
@@ -22,7 +22,13 @@ import subprocess
 import sys
 import time
 
-PROBES = ("cartpole_x8_steps_per_s", "slow100us_x8_steps_per_s", "clone_p50_ms", "fork_p50_ms")
+PROBES = (
+    "cartpole_x8_steps_per_s",
+    "slow100us_x8_steps_per_s",
+    "pong_x8_steps_per_s",
+    "clone_p50_ms",
+    "fork_p50_ms",
+)
 
 
 def probe() -> dict:
@@ -37,7 +43,11 @@ def probe() -> dict:
     import peers
 
     out: dict = {"gym_fork": os.path.dirname(gym_fork.__file__)}
-    for kind, steps, name in (("cartpole", 3000, PROBES[0]), ("slow100us", 500, PROBES[1])):
+    for kind, steps, name in (
+        ("cartpole", 3000, PROBES[0]),
+        ("slow100us", 500, PROBES[1]),
+        ("pong", 400, PROBES[2]),
+    ):
         env_fn, actions_n, _ = peers.ENVS[kind]
         actions = np.random.default_rng(0).integers(0, actions_n, (steps + 50, 8))
         envs = ForkVectorEnv([env_fn] * 8, lineage_log=False)
@@ -74,8 +84,8 @@ def probe() -> dict:
             branch.close()
     finally:
         envs.close()
-    out[PROBES[2]] = 1e3 * statistics.median(clones)
-    out[PROBES[3]] = 1e3 * statistics.median(forks)
+    out[PROBES[3]] = 1e3 * statistics.median(clones)
+    out[PROBES[4]] = 1e3 * statistics.median(forks)
     return out
 
 
