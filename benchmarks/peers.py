@@ -4,7 +4,11 @@
 
 Rows: CartPole-v1 x2, x8, x64 steps/s; a ~100 us Python step env x8; Atari Pong x8
 (frameskip 4, 84x84 grayscale, frame stack 4; where ale-py works); construction + first
-reset of CartPole x8; total PSS of 16 Pong envs (CartPole where Pong is unavailable).
+reset of CartPole x8 (the first vector env of a fresh process); total PSS of 16 Pong
+envs (CartPole where Pong is unavailable). Every measurement runs in a fresh interpreter,
+contenders interleaved; each reports the cores other processes kept busy meanwhile
+(/proc/stat's busy time less the measured processes' own), and one beside more than
+0.25 cores of other work is listed as disturbed under the table.
 Columns: gymnasium's SyncVectorEnv and AsyncVectorEnv, EnvPool and PufferLib's
 multiprocessing backend with 2 workers (each only where it imports; otherwise the reason
 is printed in its cells), ForkVectorEnv with ``envs_per_worker="auto"``, and for memory
@@ -219,6 +223,30 @@ def cpu_seconds(pids: set[int]) -> float:
     return total / tick
 
 
+def host_cpu() -> tuple[float, float]:
+    """CPU seconds every core of this machine spent busy (user, nice, system, irq,
+    softirq), and those the hypervisor took (steal), since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def disturbance(busy_before: tuple[float, float], involved_cpu: float, wall: float) -> dict:
+    """The cores other processes (and the hypervisor: steal) kept busy during a
+    measurement of ``wall`` seconds whose own processes spent ``involved_cpu``."""
+    busy, steal = host_cpu()
+    return {
+        "foreign_cores": max(0.0, busy - busy_before[0] - involved_cpu) / wall,
+        "steal_cores": (steal - busy_before[1]) / wall,
+    }
+
+
+# A measurement beside more than this many cores' worth of other work is "disturbed".
+DISTURBED_CORES = 0.25
+
+
 def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]:
     """Construction + first reset (s), steps/s over ``steps`` vector steps (after 20
     warm-up steps) of one fresh vector env, and the cores it kept busy meanwhile (CPU
@@ -236,15 +264,22 @@ def run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, float]
             envs.step(a)
         pids = involved_pids()
         cpu = cpu_seconds(pids)
+        before = host_cpu()
         started = time.perf_counter()
         for a in actions[20:]:
             envs.step(a)
         wall = time.perf_counter() - started
-        busy = (cpu_seconds(pids) - cpu) / wall
+        spent = cpu_seconds(pids) - cpu
+        others = disturbance(before, spent, wall)
         rate = steps * n / wall
     finally:
         envs.close()
-    return {"construction_s": construction, "steps_per_s": rate, "busy_cores": busy}
+    return {
+        "construction_s": construction,
+        "steps_per_s": rate,
+        "busy_cores": spent / wall,
+        **others,
+    }
 
 
 def _ceiling_share(kind: str, n: int, steps: int, start, results) -> None:
@@ -283,8 +318,11 @@ def ceiling_steps(kind: str, n: int, steps: int) -> dict[str, float]:
     for worker in workers:
         worker.start()
     try:
-        start.wait(timeout=120)
+        start.wait(timeout=120)  # every share built and warmed up: the window opens
+        before = host_cpu()
+        started = time.perf_counter()
         measured = [results.get(timeout=600) for _ in workers]
+        window = time.perf_counter() - started
     finally:
         for worker in workers:
             worker.join(timeout=30)
@@ -296,7 +334,22 @@ def ceiling_steps(kind: str, n: int, steps: int) -> dict[str, float]:
         "construction_s": float("nan"),
         "steps_per_s": steps * n / wall,
         "busy_cores": sum(c for _, c in measured) / wall,
+        **disturbance(before, sum(c for _, c in measured), window),
     }
+
+
+def fresh_run_steps(contender: str, kind: str, n: int, steps: int) -> dict[str, Any]:
+    """:func:`run_steps` in a fresh interpreter (a process's first vector env is what a
+    script waits for; nothing one contender leaves behind reaches the next)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--run-child", contender, kind]
+    done = subprocess.run([*argv, str(n), str(steps)], capture_output=True, text=True, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{contender} {kind} x{n} failed: {done.stderr[-2000:]}")
+    got = json.loads(lines[-1])
+    if "unavailable" in got:
+        raise Unavailable(got["unavailable"])
+    return got
 
 
 def pss_child(contender: str, kind: str, n: int) -> None:
@@ -373,6 +426,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
     samples: dict[str, dict[str, list[Any]]] = {}
     construction: dict[str, list[Any]] = {c: [] for c in CONTENDERS}
     busy: dict[str, dict[str, list[float]]] = {}
+    disturbed: list[list[Any]] = []  # [row, contender, repeat, other work's cores]
     for repeat in range(repeats):
         for row, kind, n, full, short in ROWS:
             if kind == "pong" and pong_missing:
@@ -381,7 +435,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
             samples.setdefault(row, {c: [] for c in CONTENDERS})
             for contender in CONTENDERS:
                 try:
-                    got = run_steps(contender, kind, n, short if quick else full)
+                    got = fresh_run_steps(contender, kind, n, short if quick else full)
                 except Unavailable as exc:
                     samples[row][contender].append(str(exc))
                     if row == "CartPole x8":
@@ -391,9 +445,14 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
                 busy.setdefault(row, {}).setdefault(contender, []).append(got["busy_cores"])
                 if row == "CartPole x8" and contender != CEILING:
                     construction[contender].append(got["construction_s"])
+                foreign = got["foreign_cores"]
+                if foreign > DISTURBED_CORES:
+                    disturbed.append([row, contender, repeat, round(foreign, 2)])
                 log(
                     f"[{repeat + 1}/{repeats}] {row:<15} {contender:<20} "
-                    f"{got['steps_per_s']:>10,.0f}"
+                    f"{got['steps_per_s']:>10,.0f}  other work {foreign:.2f} cores, "
+                    f"steal {got['steal_cores']:.2f}"
+                    + ("  DISTURBED" if foreign > DISTURBED_CORES else "")
                 )
     table: dict[str, dict[str, Any]] = {row: _medians(s) for row, s in samples.items()}
     table["construction CartPole x8 (s)"] = _medians(construction)
@@ -419,6 +478,7 @@ def measure(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
             row: None if ratio(table[row], a, b) is None else ratio(table[row], a, b) >= least
             for row, (_, a, b, least) in GOALS.items()
         },
+        "disturbed": disturbed,
         "quick": quick,
         "repeats": repeats,
         "cores": len(os.sched_getaffinity(0)),
@@ -480,6 +540,12 @@ def format_table(result: dict[str, Any], markdown: bool = False) -> str:
         widths = [max(len(r[i]) for r in [head, *rows]) + 2 for i in range(len(head))]
         lines = ["".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     lines += [""] + [f"[{i + 1}] {note}" for i, note in enumerate(notes)]
+    disturbed = result.get("disturbed", [])
+    lines.append(
+        "measurements beside other work (> "
+        f"{DISTURBED_CORES} cores of it): "
+        + (", ".join(f"{r} {c} round {k + 1} ({f} cores)" for r, c, k, f in disturbed) or "none")
+    )
     lines += ["", per_core_table(result, markdown)]
     return "\n".join(lines)
 
@@ -670,9 +736,17 @@ def main() -> None:
         "--profile", action="store_true", help="where a small step's time goes, then exit"
     )
     parser.add_argument("--pss-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--run-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile:
         profile()
+        return
+    if args.run_child:
+        contender, kind, n, steps = args.run_child
+        try:
+            print(json.dumps(run_steps(contender, kind, int(n), int(steps))))
+        except Unavailable as exc:
+            print(json.dumps({"unavailable": str(exc)}))
         return
     if args.pss_child:
         contender, kind, n = args.pss_child
