@@ -80,8 +80,9 @@ KNOBS: tuple[Knob, ...] = (
          "tuning"),
     Knob("GYM_FORK_LONG_SPIN", "integer", "4000",
          "Spin rounds of the ring waits around steps that take 1 ms or more (worker: its "
-         "own steps; controller: its waits for them); set it to GYM_FORK_SPIN's value to "
-         "keep every wait at that (benchmarks/cpu_roles.py --knob measures it).",
+         "own steps; controller: its waits for them), never fewer than GYM_FORK_SPIN's; "
+         "unset while GYM_FORK_SPIN is set: GYM_FORK_SPIN's for every wait "
+         "(benchmarks/cpu_roles.py --knob measures it).",
          "tuning"),
     Knob("GYM_FORK_LEASES", "0 turns it off", "1",
          "Take the idle sandboxes a warm parent leases ahead of need (0: every spawn asks "

@@ -47,7 +47,24 @@ def test_the_check_sees_a_long_module_without_a_reason(tmp_path, monkeypatch):
     assert long_modules_without_a_reason() == [f"gym_fork/long.py ({MOST_LINES + 2} lines)"]
 
 
+def rooms_without_tests(package: Path, tests: Path) -> list[str]:
+    """The package's rooms (sub-packages) with no folder of tests named after them
+    holding at least one test module."""
+    rooms = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    return sorted(r for r in rooms if not any((tests / r).glob("test_*.py")))
+
+
 def test_every_room_of_the_package_has_its_test_room():
-    rooms = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    missing = sorted(r for r in rooms if not (TESTS / r).is_dir())
-    assert not missing, f"tests/ has no room for gym_fork/{missing}"
+    missing = rooms_without_tests(ROOT, TESTS)
+    assert not missing, f"tests/ has no room with tests for gym_fork/{missing}"
+
+
+def test_the_check_sees_a_room_without_tests(tmp_path):
+    package, tests = tmp_path / "gym_fork", tmp_path / "tests"
+    for room in ("kept", "empty", "none"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    (tests / "kept").mkdir(parents=True)
+    (tests / "kept" / "test_it.py").write_text("")
+    (tests / "empty").mkdir()
+    assert rooms_without_tests(package, tests) == ["empty", "none"]

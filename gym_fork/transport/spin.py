@@ -7,8 +7,10 @@ futex sleep lets the vCPU halt, and waking it again is a hand-over the step pays
 (benchmarks/cpu_roles.py, docs/benchmarks-notebook.md "Spinning around long steps":
 Pong x8 0.80 -> 0.96 of the ceiling with 4000 rounds on both sides, CartPole x64 0.81 ->
 0.62 with the same, so the long spin is for long steps only). The worker watches its own
-steps, the controller its waits for them; each keeps a moving average and spins long
-once it reaches :data:`LONG_AFTER_S`. Polling rings (microVM) are left as they are.
+steps, the controller its wait for the first reply of each step (not the whole collect,
+which grows with the number of sandboxes); each keeps a moving average and spins long
+once it reaches :data:`LONG_AFTER_S`. Polling rings (microVM) are left as they are. A
+``GYM_FORK_SPIN`` set alone holds for every wait.
 """
 
 from __future__ import annotations
@@ -17,7 +19,20 @@ from gym_fork import knobs
 
 from .ring import DEFAULT_SPIN, Ring
 
-LONG_SPIN = int(knobs.read("GYM_FORK_LONG_SPIN"))
+
+def _long_spin() -> int:
+    """GYM_FORK_LONG_SPIN's rounds (0..2**31-1); a GYM_FORK_SPIN the user set alone is
+    kept for every wait, and the long spin is never shorter than the short one."""
+    if knobs.given("GYM_FORK_LONG_SPIN") is None and knobs.given("GYM_FORK_SPIN") is not None:
+        return DEFAULT_SPIN
+    try:
+        rounds = int(knobs.read("GYM_FORK_LONG_SPIN"))
+    except ValueError:
+        rounds = int(knobs.BY_NAME["GYM_FORK_LONG_SPIN"].default)
+    return max(DEFAULT_SPIN, min(rounds, 0x7FFFFFFF))
+
+
+LONG_SPIN = _long_spin()
 LONG_AFTER_S = 1e-3  # a step (or a wait for one) this long or longer: spin long
 _WEIGHT = 0.125  # of the newest observation in the moving average
 
@@ -39,5 +54,5 @@ class SpinChoice:
 def apply(rings: list[Ring], rounds: int) -> None:
     """Give each of ``rings`` (a polling ring keeps its own) ``rounds`` of spin."""
     for ring in rings:
-        if ring.spin != rounds:
+        if ring.spin != rounds and not ring.polling:
             ring.set_spin(rounds)

@@ -267,9 +267,12 @@ class WorkerPool:
         deadline = Deadline(timeout)
         results, errors = [], []
         started = time.perf_counter()
+        first = 0.0  # the wait for the first reply: a step's length, whatever the count
         for worker in self.workers:
             try:
                 _op, _seq, result, worker_errors = self.receive(worker, deadline, op)
+                if not first:
+                    first = time.perf_counter() - started
             except BaseException:
                 for held, _record in self._held:  # never sent: nothing to wait for
                     held.awaiting = 0
@@ -281,7 +284,7 @@ class WorkerPool:
             if worker_errors:
                 errors.extend(worker_errors)
         if op == P.STEP:  # long steps: wait for the next replies spinning longer
-            rounds = self._spin.observe(time.perf_counter() - started)
+            rounds = self._spin.observe(first)
             if rounds != DEFAULT_SPIN or self._spinning_long:  # (new workers start short)
                 self._spinning_long = rounds != DEFAULT_SPIN
                 apply_spin([w.channel.inbox for w in self.workers], rounds)

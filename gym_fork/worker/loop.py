@@ -24,6 +24,7 @@ import numpy as np
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 
+from gym_fork._ring import lib
 from gym_fork.errors import BadObservationError
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack, pack_empty_reply
@@ -375,7 +376,7 @@ class Worker:
             if handler is None:
                 result = None
                 errors = [error_record(self.indices[0], RuntimeError(f"unknown operation {op!r}"))]
-            elif op == P.STEP:
+            elif op == P.STEP and not inbox.polling:
                 started = clock()
                 result, errors = handler(arg)
                 rounds = spin.observe(clock() - started)
@@ -403,7 +404,7 @@ class Worker:
 
     def _recv_asleep(self) -> Any:
         ring = self.channel.inbox
-        spin, ring.spin = ring.spin, 0
+        spin, ring.spin = ring.spin, ring.spin & lib.GF_SPIN_POLL  # sleep at once
         try:
             return self.channel.recv()
         finally:

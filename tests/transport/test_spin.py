@@ -5,6 +5,9 @@ GYM_FORK_SPIN's; a polling ring (microVM) keeps its own."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 
 import gymnasium as gym
@@ -73,8 +76,10 @@ def test_a_worker_waits_for_its_next_request_spinning_long_after_long_steps():
 
 
 class SlowCartPole(gym.Wrapper):
+    delay = 0.003
+
     def step(self, action):
-        time.sleep(0.003)
+        time.sleep(self.delay)
         return self.env.step(action)
 
 
@@ -90,6 +95,17 @@ def reply_spins(envs: ForkVectorEnv) -> set[int]:
     return {worker.channel.inbox.spin for worker in envs.sandboxes.pool.workers}
 
 
+def waited(envs: ForkVectorEnv) -> float:
+    """The controller's moving average of its waits for a step's first reply."""
+    return envs.sandboxes.pool._spin.average
+
+
+def chosen(envs: ForkVectorEnv) -> int:
+    """The spin that average calls for: a loaded box makes even CartPole's waits long,
+    so the short case is asserted against what the controller measured."""
+    return LONG_SPIN if waited(envs) >= LONG_AFTER_S else DEFAULT_SPIN
+
+
 @pytest.mark.process_only
 def test_the_controller_waits_for_long_steps_spinning_long_and_new_sandboxes_too():
     actions = np.zeros(2, dtype=np.int64)
@@ -101,8 +117,33 @@ def test_the_controller_waits_for_long_steps_spinning_long_and_new_sandboxes_too
             envs.reset(seed=0)
             for _ in range(30):
                 envs.step(actions)
-        assert reply_spins(fast) == {DEFAULT_SPIN}
+        assert reply_spins(fast) == {chosen(fast)}
+        assert waited(slow) >= LONG_AFTER_S
         assert reply_spins(slow) == {LONG_SPIN}
         slow.reset(seed=1)  # reset_mode="clone": new sandboxes, their rings new
         slow.step(actions)
         assert reply_spins(slow) == {LONG_SPIN}
+        slow.set_attr("delay", 0.0)  # the same sandboxes' steps become short
+        for _ in range(60):
+            slow.step(actions)
+        assert reply_spins(slow) == {chosen(slow)}
+
+
+@pytest.mark.parametrize(
+    ("given", "long_spin"),
+    [
+        ({"GYM_FORK_SPIN": "0"}, 0),
+        ({"GYM_FORK_SPIN": "9000"}, 9000),
+        ({"GYM_FORK_SPIN": "10", "GYM_FORK_LONG_SPIN": "3000"}, 3000),
+        ({"GYM_FORK_SPIN": "500", "GYM_FORK_LONG_SPIN": "-5"}, 500),
+        ({"GYM_FORK_LONG_SPIN": str(1 << 40)}, 0x7FFFFFFF),
+    ],
+)
+def test_the_long_spin_keeps_a_spin_the_user_set_and_stays_in_range(given, long_spin):
+    code = "from gym_fork.transport.spin import LONG_SPIN; print(LONG_SPIN)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYM_FORK_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == long_spin

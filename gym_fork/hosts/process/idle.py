@@ -79,7 +79,9 @@ class IdlePool:
         self.requests = 0
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
         self.channel: socket.socket | None = None  # our end of the lease channel
-        self.leasing = True  # until the channel is given up (then never again)
+        # Until the channel is given up (then never again); GYM_FORK_LEASES=0: never (the
+        # controller closes a channel too, where this warm parent came before the knob).
+        self.leasing = knobs.read("GYM_FORK_LEASES") != "0"
         self.leased: dict[int, int] = {}  # leased idle sandbox's pid -> its taken pipe
         self.lease_deaths = 0  # leased idle sandboxes that died unassigned
 

@@ -21,11 +21,13 @@ Both ends of a lease, in one table (warm parent: idle.py ``IdlePool``, parent.py
 
 State (where) -- how a lease gets there -> what ends the state:
 
-- no channel (both) -- start; ``GYM_FORK_LEASES=0`` (the controller closes the channel it
-  is sent) -> the 2nd spawn request: a channel comes with the warm parent's ``Spawned``.
+- no channel (both) -- start; ``GYM_FORK_LEASES=0`` (the warm parent opens none; the
+  controller closes one a warm parent older than the knob sends) -> the 2nd spawn
+  request: a channel comes with the warm parent's ``Spawned``.
 - forked (warm parent) -- ``fill()`` after a reply (after a taken lease: 20 ms later while
   another is left) -> ``_lease``: sent with a pidfd and its socket; taken pipe kept.
-- queued (channel) -- sent -> ``_drain``, under the host's lock, before each spawn of one.
+- queued (channel) -- sent -> ``_drain``, under the host's lock, before each sandbox of a
+  spawn (a spawn of several takes leases for as many as there are).
 - ready (controller) -- admitted: a pidfd of a new member of the tree and a stream socket
   -> ``take``: a stopped or dead one is killed and skipped; the last spawn waits up to
   ``OWED_WAIT_S`` for one owed.
