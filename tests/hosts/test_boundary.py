@@ -9,6 +9,7 @@ import os
 import site
 import socket
 import sys
+import tempfile
 import uuid
 
 import gymnasium as gym
@@ -518,7 +519,9 @@ class OddTmpFiles(FixedPathEnv):
             "links": (linked.st_nlink, linked.st_ino == os.stat("/tmp/gf_linked_too").st_ino),
             "fifo": os.path.exists("/tmp/gf_fifo"),
             "deep": open(deep).read() if os.path.exists(deep) else None,
-            "scratch": [n for n in os.listdir("/tmp") if n.startswith("gym_fork-scratch")],
+            # a sandbox that fell back to a scratch dir has it as TMPDIR (listing /tmp
+            # would show other processes' scratch dirs too: the overlay's lower is the host's)
+            "tmpdir": (os.environ.get("TMPDIR"), tempfile.gettempdir()),
         }
 
 
@@ -534,8 +537,8 @@ def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer(
             branch.close()
         assert seen["sparse"] == (1 << 30, True, b"data in the middle"), seen
         assert seen["links"] == (2, True) and seen["fifo"] is False, seen
-        assert seen["deep"] == "leaf" and seen["scratch"] == [], seen
-        assert envs.call("look")[0]["scratch"] == []  # nothing fell back into the source's
+        assert seen["deep"] == "leaf" and seen["tmpdir"] == ("/tmp", "/tmp"), seen
+        assert envs.call("look")[0]["tmpdir"] == ("/tmp", "/tmp")  # nothing fell back
     finally:
         envs.close()
 

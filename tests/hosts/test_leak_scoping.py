@@ -27,12 +27,14 @@ def test_a_trees_scratch_dirs_and_cgroups_carry_an_id_this_process_recorded() ->
     )
     try:
         envs.reset(seed=0)
-        new_scratch = _scratch() - scratch_before
-        new_groups = {os.path.basename(g) for g in leftover_groups() - groups_before}
-        assert new_scratch, "without namespaces each sandbox has a scratch dir while it runs"
-        ids = {int(n.removeprefix("gym_fork-scratch-").split("-")[0]) for n in new_scratch}
-        if new_groups:  # where cgroups are writable here
-            ids |= {int(n.removeprefix("gym_fork-").split("-")[0]) for n in new_groups}
+        # Other xdist workers make scratch dirs meanwhile: this env's are named by its pids.
+        ours = [n.removeprefix("gym_fork-scratch-").split("-") for n in _scratch() - scratch_before]
+        ours = [parts for parts in ours if int(parts[1]) in envs.worker_pids]
+        assert len(ours) == 2, "without namespaces each sandbox has a scratch dir while it runs"
+        ids = {int(parts[0]) for parts in ours}
         assert ids <= TREES_STARTED, (ids, TREES_STARTED)
+        new_groups = {os.path.basename(g) for g in leftover_groups() - groups_before}
+        if new_groups:  # where cgroups are writable here: the tree's group carries its id
+            assert {f"gym_fork-{tree}" for tree in ids} <= new_groups, (ids, new_groups)
     finally:
         envs.close()
