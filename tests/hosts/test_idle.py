@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from gym_fork.hosts.process import idle
+from gym_fork.hosts.process import idle, leases
 from gym_fork.hosts.process import messages as M
 from gym_fork.system.children import kill_child
 from tests.helpers import reap_child, tracked_idle_pool
@@ -122,13 +122,13 @@ def test_with_a_lease_channel_each_new_idle_sandbox_is_leased(leasing):
     pool, controller = leasing
     assert pool.open_lease_channel() is None  # once
     new = pool.fill()
-    assert len(new) == 2 and made_pids(pool) == set() and set(pool.leased) == set(new)
+    assert len(new) == 2 and made_pids(pool) == set() and set(pool.leases.leased) == set(new)
     offered = receive_leases(controller, 2)
     assert set(offered) == set(new)
     assign_leased(pool, offered, new[0])  # the controller assigns it
-    assert set(pool.leased) == {new[1]}
+    assert set(pool.leases.leased) == {new[1]}
     refill = pool.fill()  # back to the pool's size, leased too
-    assert len(refill) == 1 and set(pool.leased) == {new[1], *refill}
+    assert len(refill) == 1 and set(pool.leases.leased) == {new[1], *refill}
     for sock in offered.values():
         sock.close()
 
@@ -139,7 +139,7 @@ def test_a_closed_lease_channel_kills_the_sandbox_it_could_not_lease(pool):
     controller.close()
     (first, *_) = pool.fill()
     assert reap_child(first) == -signal.SIGKILL
-    assert pool.channel is None and first not in pool.leased
+    assert pool.leases.channel is None and first not in pool.leases.leased
 
 
 def wait_readable_fd(fd: int, timeout: float = 5.0) -> bool:
@@ -152,8 +152,8 @@ def test_a_new_idle_sandbox_closes_the_channel_and_the_others_pipes(leasing):
     pool, _controller = leasing
     pool.fill()
     internal = set(pool._internal_fds())
-    assert pool.channel is not None and pool.channel.fileno() in internal
-    assert set(pool.leased.values()) <= internal  # what the next one forked closes
+    assert pool.leases.channel is not None and pool.leases.channel.fileno() in internal
+    assert set(pool.leases.leased.values()) <= internal  # what the next one forked closes
 
 
 def test_a_leased_sandbox_that_dies_unassigned_counts_and_one_assigned_does_not(leasing):
@@ -163,22 +163,22 @@ def test_a_leased_sandbox_that_dies_unassigned_counts_and_one_assigned_does_not(
     kill_child(first)
     reap_child(first)
     pool.forget(first)  # reaped before its taken pipe was seen: still a death
-    assert pool.lease_deaths == 1
+    assert pool.leases.deaths == 1
     assign_leased(pool, offered, second)
-    assert pool.lease_deaths == 0  # a sandbox assigned: the count starts again
+    assert pool.leases.deaths == 0  # a sandbox assigned: the count starts again
     for sock in offered.values():
         sock.close()
 
 
 def test_after_max_lease_deaths_the_warm_parent_stops_leasing(leasing):
     pool, controller = leasing
-    pool.lease_deaths = idle.MAX_LEASE_DEATHS - 1
+    pool.leases.deaths = leases.MAX_LEASE_DEATHS - 1
     (first, *_) = pool.fill()
     M.close_fds(M.receive(controller, M.Leased)[1])
     kill_child(first)
     reap_child(first)
     pool.forget(first)
-    assert pool.channel is None and not pool.leasing
+    assert pool.leases.channel is None and not pool.leases.leasing
     assert pool.open_lease_channel() is None  # for good
     new = pool.fill()
     assert new and made_pids(pool) >= set(new)  # new idle sandboxes wait in the pool
@@ -199,8 +199,8 @@ def assign_leased(pool: idle.IdlePool, offered: dict[int, socket.socket], pid: i
     handed = fds()
     M.send(offered[pid], M.Assign(SPEC, None), handed)
     M.close_fds(handed)
-    taken = pool.leased[pid]
+    taken = pool.leases.leased[pid]
     assert wait_readable_fd(taken), "the assigned sandbox did not say it was taken"
-    pool.taken(taken)
+    pool.leases.taken(taken)
     assert reap_child(pid) == 0
     assert os.read(REPORT_R, 100) == f"w0 {M.FDS_PER_SANDBOX}".encode()

@@ -24,7 +24,7 @@ import pytest
 
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import SandboxStartError
-from gym_fork.hosts.process import idle
+from gym_fork.hosts.process import idle, leases
 from gym_fork.system.children import kill_child, parent_of
 from gym_fork.system.linux import readable, wait_readable
 from gym_fork.vector import lifecycle
@@ -122,18 +122,18 @@ def test_the_lease_channel_send_timeout_is_read_when_the_channel_opens(monkeypat
     made.requests = 2
     theirs = socket.socket(fileno=made.open_lease_channel())
     try:
-        assert made.channel is not None
-        timeout = made.channel.gettimeout()
-        assert timeout is not None and 0 < timeout == idle.LEASE_SEND_TIMEOUT_S
+        assert made.leases.channel is not None
+        timeout = made.leases.channel.gettimeout()
+        assert timeout is not None and 0 < timeout == leases.LEASE_SEND_TIMEOUT_S
     finally:
         made.close()
         theirs.close()
-    monkeypatch.setattr(idle, "LEASE_SEND_TIMEOUT_S", 0.25)
+    monkeypatch.setattr(leases, "LEASE_SEND_TIMEOUT_S", 0.25)
     made = idle.IdlePool(1, wait_for_eof)
     made.requests = 2
     theirs = socket.socket(fileno=made.open_lease_channel())
     try:
-        assert made.channel is not None and made.channel.gettimeout() == 0.25
+        assert made.leases.channel is not None and made.leases.channel.gettimeout() == 0.25
     finally:
         made.close()
         theirs.close()
@@ -143,14 +143,14 @@ def test_a_lease_the_controller_does_not_read_kills_the_sandbox_and_stops_leasin
     pool, monkeypatch
 ):
     timeout = 0.2
-    monkeypatch.setattr(idle, "LEASE_SEND_TIMEOUT_S", timeout)  # read by open_lease_channel
+    monkeypatch.setattr(leases, "LEASE_SEND_TIMEOUT_S", timeout)  # read by open_lease_channel
     pool.requests = 2
     controller = socket.socket(fileno=pool.open_lease_channel())
     try:
-        assert pool.channel is not None and pool.channel.gettimeout() == timeout
-        channel_fd = pool.channel.fileno()
+        assert pool.leases.channel is not None and pool.leases.channel.gettimeout() == timeout
+        channel_fd = pool.leases.channel.fileno()
         controller.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stuffed = stuff(pool.channel)  # a controller that stopped reading
+        stuffed = stuff(pool.leases.channel)  # a controller that stopped reading
         assert stuffed > 0
         fds_before = open_fds()
 
@@ -162,7 +162,7 @@ def test_a_lease_the_controller_does_not_read_kills_the_sandbox_and_stops_leasin
         assert took < timeout + 3.0, f"the lease send blocked {took:.3f} s"
         # The sandbox it could not lease is killed (not left to exit at its socket's EOF).
         assert reap_child(victim) == -signal.SIGKILL
-        assert pool.channel is None and not pool.leasing and pool.leased == {}
+        assert pool.leases.channel is None and not pool.leases.leasing and pool.leases.leased == {}
         # The same fill goes on without leases: its next sandbox waits in the pool.
         assert [i.pid for i in pool.waiting] == rest and len(rest) == 1
         # The victim's taken pipe, pidfd and socket are closed, and our end of the
@@ -190,8 +190,8 @@ def test_a_lease_the_controller_does_not_read_kills_the_sandbox_and_stops_leasin
         assert pool.open_lease_channel() is None
         with watchdog(5.0):
             (waiting,) = pool.fill()
-        assert [i.pid for i in pool.waiting] == [waiting] and pool.leased == {}
-        assert pool.channel is None
+        assert [i.pid for i in pool.waiting] == [waiting] and pool.leases.leased == {}
+        assert pool.leases.channel is None
         pool.close()  # its socket closed: it exits by itself (it was no lease)
         assert reap_child(waiting) == 0
     finally:

@@ -34,16 +34,10 @@ from dataclasses import dataclass
 from gym_fork import knobs
 from gym_fork.errors import ControlMessageError
 from gym_fork.hosts.process import messages as M
+from gym_fork.hosts.process.leases import TAKEN, LeaseSender
 from gym_fork.system.children import child_state, fork, kill_child
 
 DEFAULT_SIZE = int(knobs.BY_NAME["GYM_FORK_IDLE_SANDBOXES"].default)
-# A lease the controller does not take within this long closes the lease channel.
-LEASE_SEND_TIMEOUT_S = 1.0
-# Leased idle sandboxes that may die unassigned before the warm parent stops leasing
-# (each is replaced: a sibling killing them would otherwise keep it forking).
-MAX_LEASE_DEATHS = 16
-# What an assigned leased idle sandbox writes on its taken pipe before closing it.
-TAKEN = b"T"
 
 
 def pool_size() -> int:
@@ -78,57 +72,18 @@ class IdlePool:
         self.waiting: list[Idle] = []
         self.requests = 0
         self.discarded: list[list] = []  # [pid, state] of stopped ones killed unused
-        self.channel: socket.socket | None = None  # our end of the lease channel
-        # Until the channel is given up (then never again); GYM_FORK_LEASES=0: never (the
-        # controller closes a channel too, where this warm parent came before the knob).
-        self.leasing = knobs.read("GYM_FORK_LEASES") != "0"
-        self.leased: dict[int, int] = {}  # leased idle sandbox's pid -> its taken pipe
-        self.lease_deaths = 0  # leased idle sandboxes that died unassigned
+        self.leases = LeaseSender()  # the lease channel's warm-parent end
 
     def open_lease_channel(self) -> int | None:
         """From the second request on (once): the controller's end of a new lease
         channel, for the caller to send and close; None when there is none to open."""
-        if not self.leasing or self.channel is not None or self.size == 0 or self.requests < 2:
+        if self.size == 0 or self.requests < 2:
             return None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ours.settimeout(LEASE_SEND_TIMEOUT_S)  # a controller that stops reading
-        self.channel = ours
-        return theirs.detach()
-
-    def stop_leasing(self) -> None:
-        """Close the lease channel for good: new idle sandboxes wait in the pool."""
-        self.leasing = False
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-
-    def taken_fds(self) -> list[int]:
-        """The taken pipes of the leased idle sandboxes (readable: taken or dead)."""
-        return list(self.leased.values())
-
-    def taken(self, fd: int) -> None:
-        """The leased idle sandbox of taken pipe ``fd`` was assigned, or died unassigned:
-        after MAX_LEASE_DEATHS of those in a row (a sibling killing them), no more leases."""
-        for pid, pipe in list(self.leased.items()):
-            if pipe == fd:
-                del self.leased[pid]
-                self._let_go_of(pipe)
-
-    def _let_go_of(self, pipe: int) -> None:
-        """Close a leased sandbox's taken pipe, counting it dead unless it said TAKEN."""
-        try:
-            assigned = os.read(pipe, 1) == TAKEN
-        except OSError:  # nothing written yet (non-blocking): it died unassigned
-            assigned = False
-        os.close(pipe)
-        self.lease_deaths = 0 if assigned else self.lease_deaths + 1
-        if self.lease_deaths >= MAX_LEASE_DEATHS:
-            self.stop_leasing()
+        return self.leases.open_channel()
 
     def _internal_fds(self) -> list[int]:
         """What a new idle sandbox must not keep of the warm parent's own."""
-        fds = [i.sock.fileno() for i in self.waiting] + self.taken_fds()
-        return fds + ([self.channel.fileno()] if self.channel is not None else [])
+        return [i.sock.fileno() for i in self.waiting] + self.leases.internal_fds()
 
     def note_request(self) -> None:
         """A spawn request was served: from the second on, the pool is kept full."""
@@ -136,9 +91,7 @@ class IdlePool:
 
     def forget(self, pid: int) -> None:
         """``pid`` was reaped: if it was idle, it is out of the pool."""
-        pipe = self.leased.pop(pid, None)
-        if pipe is not None:
-            self._let_go_of(pipe)
+        self.leases.forget(pid)
         for idle in self.waiting:
             if idle.pid == pid:
                 idle.sock.close()
@@ -149,14 +102,14 @@ class IdlePool:
         """Fork idle sandboxes until the pool (waiting and leased) is full, each leased
         to the controller where a lease channel is open; returns the new pids."""
         new = []
-        while self.requests >= 2 and len(self.waiting) + len(self.leased) < self.size:
+        while self.requests >= 2 and len(self.waiting) + len(self.leases.leased) < self.size:
             try:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             except OSError:  # EMFILE: no refill now; a spawn forks its own sandbox
                 break
             taken_r, taken_w = -1, -1
             try:
-                if self.channel is not None:
+                if self.leases.open:
                     taken_r, taken_w = os.pipe()
                 pid = fork()
             except OSError:  # EAGAIN (a pids limit), ENOMEM: as above
@@ -179,28 +132,8 @@ class IdlePool:
                 continue
             os.close(taken_w)
             os.set_blocking(taken_r, False)
-            self._lease(pid, ours, taken_r)
+            self.leases.send(pid, ours, taken_r)
         return new
-
-    def _lease(self, pid: int, sock: socket.socket, taken_r: int) -> None:
-        """Hand idle sandbox ``pid`` to the controller; if the lease channel is gone (the
-        controller closed it), the sandbox is killed and the channel dropped."""
-        channel = self.channel
-        assert channel is not None
-        try:
-            pidfd = os.pidfd_open(pid)
-            try:
-                M.send(channel, M.Leased(pid, [True]), [pidfd, sock.fileno()])
-            finally:
-                os.close(pidfd)
-        except OSError:  # gone, or not reading (the send timed out): no more leases
-            kill_child(pid)
-            os.close(taken_r)
-            self.stop_leasing()
-        else:
-            self.leased[pid] = taken_r
-        finally:
-            sock.close()
 
     def assign(self, assignment: M.Assign, fds: list[int]) -> int:
         """Hand ``assignment`` and ``fds`` to an idle sandbox; its pid, or 0 when none is
@@ -236,10 +169,7 @@ class IdlePool:
         for idle in self.waiting:
             idle.sock.close()
         self.waiting.clear()
-        for pipe in self.leased.values():
-            os.close(pipe)
-        self.leased.clear()
-        self.stop_leasing()
+        self.leases.close()
 
 
 # States of an idle sandbox that must not be handed a spec: stopped (by a signal, or in

@@ -16,8 +16,9 @@ and spawns then ask the warm parent as before. Received fds are close-on-exec fr
 moment they arrive (control.py: a user's ``os.system`` child must not hold an idle
 sandbox's socket).
 
-Both ends of a lease, in one table (warm parent: idle.py ``IdlePool``, parent.py
-``serve``; controller: this module, host.py's spawn):
+Both ends of a lease live here: the warm parent's :class:`LeaseSender` (driven by
+idle.py's ``IdlePool``, which forks, and parent.py's ``serve``, which watches the taken
+pipes) and the controller's :class:`IdleLeases` (driven by host.py's spawn). One table:
 
 State (where) -- how a lease gets there -> what ends the state:
 
@@ -25,7 +26,7 @@ State (where) -- how a lease gets there -> what ends the state:
   controller closes one a warm parent older than the knob sends) -> the 2nd spawn
   request: a channel comes with the warm parent's ``Spawned``.
 - forked (warm parent) -- ``fill()`` after a reply (after a taken lease: 20 ms later while
-  another is left) -> ``_lease``: sent with a pidfd and its socket; taken pipe kept.
+  another is left) -> ``LeaseSender.send``: sent with a pidfd and its socket; taken pipe kept.
 - queued (channel) -- sent -> ``_drain``, under the host's lock, before each sandbox of a
   spawn (a spawn of several takes leases for as many as there are).
 - ready (controller) -- admitted: a pidfd of a new member of the tree and a stream socket
@@ -59,7 +60,7 @@ from dataclasses import dataclass
 from gym_fork import knobs
 from gym_fork.errors import ControlMessageError, SandboxStartError
 from gym_fork.hosts.process import messages as M
-from gym_fork.system.children import child_state
+from gym_fork.system.children import child_state, kill_child
 from gym_fork.system.linux import ProcessWatch, wait_readable
 from gym_fork.transport.control import frame_queued
 from gym_fork.transport.typed_messages import adopt_pidfds
@@ -72,6 +73,13 @@ CHANNEL_TIMEOUT_S = 1.0
 # asks the warm parent instead (back-to-back resets by clone, CartPole: p99 27-29 ->
 # 19-20 ms, mean 11.4-12.6 -> 10.7-11.1; docs/benchmarks-notebook.md, session 10).
 OWED_WAIT_S = 0.015
+# A lease the controller does not take within this long closes the lease channel.
+LEASE_SEND_TIMEOUT_S = 1.0
+# Leased idle sandboxes that may die unassigned before the warm parent stops leasing
+# (each is replaced: a sibling killing them would otherwise keep it forking).
+MAX_LEASE_DEATHS = 16
+# What an assigned leased idle sandbox writes on its taken pipe before closing it.
+TAKEN = b"T"
 # Process states of an idle sandbox that must not be assigned (as in idle.py).
 _UNUSABLE = ("T", "t", "Z", "X", "x")
 
@@ -248,3 +256,100 @@ class IdleLeases:
         for lease in self.ready:
             lease.close()
         self.ready.clear()
+
+
+class LeaseSender:
+    """The warm parent's end: it sends each idle sandbox it forks, while the channel is
+    open, to the controller, and watches each leased one's taken pipe (TAKEN then EOF:
+    assigned; EOF alone: it died) to know when to fork the next. The pool
+    (idle.py ``IdlePool``) decides when a channel opens and when to fork."""
+
+    def __init__(self) -> None:
+        self.channel: socket.socket | None = None  # our end of the lease channel
+        # Until the channel is given up (then never again); GYM_FORK_LEASES=0: never (the
+        # controller closes a channel too, where this warm parent came before the knob).
+        self.leasing = knobs.read("GYM_FORK_LEASES") != "0"
+        self.leased: dict[int, int] = {}  # leased idle sandbox's pid -> its taken pipe
+        self.deaths = 0  # leased idle sandboxes that died unassigned, in a row
+
+    @property
+    def open(self) -> bool:
+        """Whether new idle sandboxes are leased (a channel is open)."""
+        return self.channel is not None
+
+    def open_channel(self) -> int | None:
+        """The controller's end of a new lease channel (once), for the caller to send and
+        close; None when leasing is off or given up, or a channel was opened before."""
+        if not self.leasing or self.channel is not None:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(LEASE_SEND_TIMEOUT_S)  # a controller that stops reading
+        self.channel = ours
+        return theirs.detach()
+
+    def stop(self) -> None:
+        """Close the lease channel for good: new idle sandboxes wait in the pool."""
+        self.leasing = False
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def taken_fds(self) -> list[int]:
+        """The taken pipes of the leased idle sandboxes (readable: taken or dead)."""
+        return list(self.leased.values())
+
+    def internal_fds(self) -> list[int]:
+        """What a new idle sandbox must not keep: the taken pipes and the channel."""
+        fds = list(self.leased.values())
+        return fds + ([self.channel.fileno()] if self.channel is not None else [])
+
+    def send(self, pid: int, sock: socket.socket, taken_r: int) -> None:
+        """Lease idle sandbox ``pid`` (its assignment socket ``sock``, closed here, and the
+        read end of its taken pipe) to the controller; if the channel is gone or the send
+        timed out, the sandbox is killed and leasing stops."""
+        assert self.channel is not None
+        try:
+            pidfd = os.pidfd_open(pid)
+            try:
+                M.send(self.channel, M.Leased(pid, [True]), [pidfd, sock.fileno()])
+            finally:
+                os.close(pidfd)
+        except OSError:
+            kill_child(pid)
+            os.close(taken_r)
+            self.stop()
+        else:
+            self.leased[pid] = taken_r
+        finally:
+            sock.close()
+
+    def taken(self, fd: int) -> None:
+        """The leased idle sandbox of taken pipe ``fd`` was assigned, or died unassigned."""
+        for pid, pipe in list(self.leased.items()):
+            if pipe == fd:
+                del self.leased[pid]
+                self._let_go_of(pipe)
+
+    def forget(self, pid: int) -> None:
+        """``pid`` was reaped: if it was leased, let go of its pipe."""
+        pipe = self.leased.pop(pid, None)
+        if pipe is not None:
+            self._let_go_of(pipe)
+
+    def _let_go_of(self, pipe: int) -> None:
+        """Close a taken pipe, counting its sandbox dead unless it said TAKEN; after
+        MAX_LEASE_DEATHS deaths in a row (a sibling killing them), no more leases."""
+        try:
+            assigned = os.read(pipe, 1) == TAKEN
+        except OSError:  # nothing written yet (non-blocking): it died unassigned
+            assigned = False
+        os.close(pipe)
+        self.deaths = 0 if assigned else self.deaths + 1
+        if self.deaths >= MAX_LEASE_DEATHS:
+            self.stop()
+
+    def close(self) -> None:
+        for pipe in self.leased.values():
+            os.close(pipe)
+        self.leased.clear()
+        self.stop()

@@ -255,15 +255,15 @@ class WarmParent:
             # loop of resets never leaves). A leased one taken is replaced after
             # LEASE_REFILL_DELAY_S while another is left: a fork and a new sandbox's
             # set-up (~4 ms of CPU) would compete with the clone that took it.
-            taken = self.idle.taken_fds()
+            taken = self.idle.leases.taken_fds()
             wait = 0.2 if refill_at is None else max(0.0, refill_at - time.monotonic())
             readable = linux.readable([self.sock.fileno(), *controller, *taken], wait)
             if controller and controller[0] in readable:
                 return  # the controller is dead
             for fd in set(readable) & set(taken):  # a leased idle sandbox was assigned
-                self.idle.taken(fd)
+                self.idle.leases.taken(fd)
                 readable.remove(fd)
-                delay = LEASE_REFILL_DELAY_S if self.idle.leased else 0.0
+                delay = LEASE_REFILL_DELAY_S if self.idle.leases.leased else 0.0
                 soon = time.monotonic() + delay
                 refill_at = soon if refill_at is None else min(refill_at, soon)
             # Reaping (a dead sandbox's scratch and cgroups removed: ~0.5-1 ms) waits
