@@ -131,18 +131,22 @@ def private_files(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> tuple[list, l
 
 
 def reopen_copied_files(files: list) -> tuple[int, list[str]]:
-    """In a clone whose /tmp and /dev/shm are now copies: point each of ``files`` (from
-    :func:`private_files` in its source) at the copy, same flags and offset, so that
-    writing through it changes the clone's file, not its source's. Returns (fds
+    """In a clone whose /tmp and /dev/shm are now copies (or a source whose /tmp is now a
+    new layer over its frozen writes): point each of ``files`` (from
+    :func:`private_files`) at the file the path shows now, same flags and offset, so
+    that writing through it changes this process's file, not another's. Directories
+    too: a file created through an fd of one lands where the fd points. Returns (fds
     reopened, paths that could not be)."""
     reopened, stuck = 0, []
     for fd, path in files:
         try:
             before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode):
+            directory = stat.S_ISDIR(before.st_mode)
+            if not (directory or stat.S_ISREG(before.st_mode)):
                 continue
             flags, position = _fd_flags_and_position(fd)
-            new = os.open(path, (flags & _KEPT_FLAGS) | os.O_NOFOLLOW | os.O_CLOEXEC)
+            keep = os.O_RDONLY | os.O_DIRECTORY if directory else flags & _KEPT_FLAGS
+            new = os.open(path, keep | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             stuck.append(path)
             continue
@@ -150,7 +154,7 @@ def reopen_copied_files(files: list) -> tuple[int, list[str]]:
             after = os.fstat(new)
             if (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino):
                 continue  # the same file (a read-only one of the host's, below the layers)
-            if position:
+            if position and not directory:
                 os.lseek(new, position, os.SEEK_SET)
             os.dup2(new, fd, inheritable=not flags & os.O_CLOEXEC)
             reopened += 1

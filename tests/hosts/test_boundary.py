@@ -586,6 +586,33 @@ def test_a_clone_writes_its_own_copy_of_a_file_its_source_held_open():
         envs.close()
 
 
+class KeepsADirectoryOpen(FixedPathEnv):
+    """Creates files through a directory fd it keeps (``dir_fd=``, as ``os.fwalk`` does)."""
+
+    def open_directory(self):
+        os.makedirs("/tmp/gf_dir", exist_ok=True)
+        self._dir = os.open("/tmp/gf_dir", os.O_RDONLY | os.O_DIRECTORY)
+
+    def make(self, name):
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=self._dir))
+        return sorted(os.listdir("/tmp/gf_dir"))
+
+
+def test_a_clone_creates_files_in_its_own_copy_of_a_directory_its_source_held_open():
+    envs = ForkVectorEnv([KeepsADirectoryOpen], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("open_directory")
+        branch = envs.fork("b")
+        try:
+            assert branch.call("make", "from_branch")[0] == ["from_branch"]
+            assert envs.call("make", "from_source")[0] == ["from_source"]
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
 class ForgesItsClones(FixedPathEnv):
     def forge(self):
         """Before a fork: keep the clone in this sandbox's namespaces, but let it claim
