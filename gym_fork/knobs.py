@@ -88,6 +88,11 @@ KNOBS: tuple[Knob, ...] = (
          "Take the idle sandboxes a warm parent leases ahead of need (0: every spawn asks "
          "the warm parent; benchmarks/lease_ab.py measures both).",
          "tuning"),
+    Knob("GYM_FORK_TMP_LAYERS", "0 turns it off", "1",
+         "Freeze a source's /tmp writes into a read-only layer its clones share at a fork "
+         "(gym_fork/system/frozen_layers.py; 0: every clone copies them instead; "
+         "benchmarks/agent_workspace.py measures both).",
+         "tuning"),
     Knob("GYM_FORK_SCRATCH_BASE", "path", "",
          "The host temp dir scratch directories live in; set by gym_fork at its first "
          "scratch directory so sandboxes and later processes agree.", "internal"),

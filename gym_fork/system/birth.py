@@ -156,6 +156,7 @@ def _private_tmp(b: Birth) -> None:
     try:
         sandbox_isolation.own_private_tmp(b.config, bool(b.tree.tree.get("userns")))
         b.achieved.sandbox["private_tmp"] = b.achieved.sandbox["private_shm"] = True
+        b.achieved.sandbox["tmp_layer_fd"] = sandbox_isolation.private_layer_fd()
     except OSError as exc:
         b.achieved.missing["private_tmp"] = f"the sandbox's own /tmp and /dev/shm: {exc}"
 

@@ -9,9 +9,9 @@ import contextlib
 import errno
 import os
 
+from gym_fork.system import frozen_layers, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system import paths as no_follow
-from gym_fork.system import snapshot
 
 # The tree's /tmp, seen read-only by its sandboxes at this path of the tree's own /dev:
 # the lower layer a clone builds its own /tmp on (the sandbox's /tmp hides it).
@@ -62,6 +62,9 @@ def minimal_dev(keep_host_shm: bool) -> None:
             os.close(fd)
     if not os.path.exists("/dev/shm"):
         os.mkdir("/dev/shm", 0o1777)
+    os.mkdir(
+        frozen_layers.LAYERS_DIR, 0o555
+    )  # where sandboxes' frozen /tmp layers go (frozen_layers.py)
     os.mkdir("/dev/pts", 0o755)
     ns.mount(
         "devpts",

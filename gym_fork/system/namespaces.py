@@ -175,6 +175,12 @@ def attach_mount(mount_fd: int, target: str) -> None:
         os.close(mount_fd)
 
 
+def detach_mount(target: str) -> None:
+    """umount2(``target``, MNT_DETACH): the mount leaves the tree now, and goes once
+    nothing uses it any more."""
+    _check(_libc.umount2(target.encode(), 2), f"umount {target}")
+
+
 def attach_mount_on(mount_fd: int, target_fd: int, what: str) -> None:
     """:func:`attach_mount` on the directory an fd holds (``what`` names it in errors)."""
     flags = _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH

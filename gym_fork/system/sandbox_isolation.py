@@ -20,7 +20,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING
 
-from gym_fork.system import confine, host_view, identity, landlock, linux, snapshot
+from gym_fork.system import confine, frozen_layers, host_view, identity, landlock, linux, snapshot
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -83,14 +83,37 @@ def become_sandbox_user(tree: Isolation, achieved: Isolation, scratch: str | Non
         achieved.missing["identity"] = f"env code runs as the host's root: {exc}"
 
 
+def private_layer_fd() -> int | None:
+    """The fd of this sandbox's own /tmp layer (the layer helper freezes it before a
+    FORK: gym_fork/system/frozen_layers.py), None without one."""
+    return _PRIVATE_WRITES_FD
+
+
 def own_private_tmp(config: IsolationConfig, in_user_namespace: bool) -> None:
     """A fresh sandbox's own /tmp (an overlay on the tree's, its writes kept open: clones
-    of it start their /tmp from them) and /dev/shm."""
+    of it start their /tmp from them) and /dev/shm. Its overlay marks opaque
+    directories in user.* xattrs where its layer may be frozen (what a clone's overlay
+    reads, in its own user namespace)."""
     size = config.layer_bytes()
-    _remember_private_writes(
-        ns.overlay_private_layer("/tmp", size, in_user_namespace=in_user_namespace)
-    )
+    userxattr = in_user_namespace or frozen_layers.kernel_supports_layers()
+    _remember_private_writes(ns.overlay_private_layer("/tmp", size, in_user_namespace=userxattr))
     host_view.own_dev_shm(size)
+
+
+def adopt_frozen_layer(layer_fd: int) -> None:
+    """In a source whose /tmp the layer helper has just frozen (a new overlay over its
+    writes so far, read-only now): keep ``layer_fd`` as its own layer, point its open
+    /tmp files and its working directory at what /tmp shows now (writing through them
+    would change the frozen files under its clones)."""
+    global _PRIVATE_WRITES_FD
+    files, _stuck = snapshot.private_files()
+    snapshot.reopen_copied_files(files)
+    host_view.reenter_working_directory()
+    if _PRIVATE_WRITES_FD is None:
+        _PRIVATE_WRITES_FD = layer_fd
+    else:  # the same fd number: what the controller knows it by (its HELLO's report)
+        os.dup2(layer_fd, _PRIVATE_WRITES_FD, inheritable=False)
+        os.close(layer_fd)
 
 
 def own_network(config: IsolationConfig, clone: bool = False) -> int:
@@ -112,6 +135,7 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
     mount, IPC and network namespaces; its /tmp and /dev/shm start as copies of its
     source's. On failure nothing is changed and the reason is under ``missing``."""
     global _PRIVATE_WRITES_FD
+    achieved.sandbox.pop("tmp_layer_fd", None)  # its source's, if inherited
     flags = ns.CLONE_NEWUSER | ns.CLONE_NEWNS | ns.CLONE_NEWIPC
     flags |= own_network(config, clone=True)
     why = "a clone shares its source's mount and IPC namespaces"
@@ -152,12 +176,20 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
             if writes is not None and writes != _EMPTY_CLONE_SOURCE:
                 copy_tree(writes, upper)
 
+        layers = frozen_layers.layer_paths()  # its source's frozen writes, shared
         own = ns.overlay_private_layer(
-            "/tmp", size, lower=host_view.TREE_TMP_VIEW, fill=fill, in_user_namespace=True
+            "/tmp",
+            size,
+            lower=":".join([*layers, host_view.TREE_TMP_VIEW]),
+            fill=fill,
+            in_user_namespace=True,
         )
+        if layers:
+            achieved.sandbox["tmp_layers"] = len(layers)
         if source is not None:
             os.close(source)  # the source's layer: not this clone's to write
         _PRIVATE_WRITES_FD = own
+        achieved.sandbox["tmp_layer_fd"] = own
         host_view.own_dev_shm(size)
         host_view.reenter_working_directory()  # else it writes its source's /tmp
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True

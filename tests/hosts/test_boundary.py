@@ -507,6 +507,12 @@ class OddTmpFiles(FixedPathEnv):
         with open(os.path.join(path, "leaf"), "w") as f:
             f.write("leaf")
 
+    def layers(self):
+        """How many frozen /tmp layers this sandbox's /tmp stands on."""
+        from gym_fork.system import frozen_layers
+
+        return len(frozen_layers.layer_paths())
+
     def look(self):
         sparse = os.stat("/tmp/gf_sparse")
         with open("/tmp/gf_sparse", "rb") as f:
@@ -525,7 +531,15 @@ class OddTmpFiles(FixedPathEnv):
         }
 
 
-def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer():
+@pytest.mark.parametrize("layers", ["frozen", "copied"])
+def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer(
+    layers, monkeypatch
+):
+    """Copied (GYM_FORK_TMP_LAYERS=0): within the clone's own layer, the fifo left out.
+    Frozen (the default where it can be): the same files, the fifo too (each overlay has
+    a pipe of its own for it: test_frozen_layers.py)."""
+    if layers == "copied":
+        monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
     envs = ForkVectorEnv([OddTmpFiles], tmpfs_bytes=64 << 20, lineage_log=False)
     try:
         envs.reset(seed=0)
@@ -533,10 +547,12 @@ def test_a_clone_copies_sparse_files_hard_links_and_deep_trees_within_its_layer(
         branch = envs.fork("b")
         try:
             seen = branch.call("look")[0]
+            frozen = branch.call("layers")[0]
         finally:
             branch.close()
+        assert frozen == (1 if layers == "frozen" else 0)
         assert seen["sparse"] == (1 << 30, True, b"data in the middle"), seen
-        assert seen["links"] == (2, True) and seen["fifo"] is False, seen
+        assert seen["links"] == (2, True) and seen["fifo"] is (layers == "frozen"), seen
         assert seen["deep"] == "leaf" and seen["tmpdir"] == ("/tmp", "/tmp"), seen
         assert envs.call("look")[0]["tmpdir"] == ("/tmp", "/tmp")  # nothing fell back
     finally:

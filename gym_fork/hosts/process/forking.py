@@ -6,6 +6,7 @@ new sandboxes of the tree (the worker's side: ``sandbox.py``). ``ProcessHost.for
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,10 +73,14 @@ def _start_fork(
     link: SandboxLink = source.host_data
     what = f"fork of {source.name}"
     try:
+        layer = host.tmp_layers.freeze(source, host.tree_isolation)
         try:
-            M.send(link.sock, M.CloneFds(len(orders), groups.controllers, groups.errors), fds)
+            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, layer is not None)
+            M.send(link.sock, handed, fds if layer is None else [*fds, layer])
         finally:
             groups.close_fds()  # the source has its copies
+            if layer is not None:
+                os.close(layer)
         arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
         waiting = job.ask_later(P.FORK, arg)
     except BaseException:

@@ -36,6 +36,7 @@ from gym_fork.hosts.process import forking, isolation_report, preimport, zygote
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process.ends import SandboxEnds, hand_over
 from gym_fork.hosts.process.forking import SPAWN_BATCH
+from gym_fork.hosts.process.layers import TmpLayers
 from gym_fork.hosts.process.leases import MAX_LEASES, OWED_WAIT_S, IdleLeases, Lease
 from gym_fork.system import cgroups, children
 from gym_fork.system.linux import ProcessWatch, raise_fd_limit
@@ -77,6 +78,7 @@ class ProcessHost(SharedByBranches):
         self._handle_ids = itertools.count()
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         self._leases = IdleLeases()  # idle sandboxes the warm parent leased to us
+        self.tmp_layers = TmpLayers(config.isolation)  # frozen /tmp writes at a fork
         self._unreachable = False  # a send to it failed: the next health check replaces it
         try:
             setup = init_message(config)
@@ -383,6 +385,7 @@ class ProcessHost(SharedByBranches):
         """Tell the warm parent to exit (it kills its workers) and reap it."""
         with self._lock:
             self._leases.close()
+        self.tmp_layers.close()
         self._stop_warm_parent(timeout)
         if self.output is not None:
             self.output.close()

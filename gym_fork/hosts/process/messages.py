@@ -232,18 +232,21 @@ class CloneFds(Message):
     entry of ``cgroups``, in the order of the FORK request that follows on the ring).
     ``cgroups``: the controllers of each cgroup.procs fd a clone gets (its own groups,
     gym_fork/system/cgroups.py); ``cgroup_errors``: controller -> why a clone has no
-    group of its own under it."""
+    group of its own under it. ``frozen_layer``: one more fd comes last, the source's
+    new /tmp layer (the layer helper has just frozen its writes:
+    gym_fork/system/frozen_layers.py)."""
 
     OP = "clone-fds"
     clones: int
     cgroups: list[list[str]] = field(default_factory=list)
     cgroup_errors: dict[str, str] = field(default_factory=dict)
+    frozen_layer: bool = False
 
     def fds_per_clone(self) -> int:
         return FDS_PER_SANDBOX + len(self.cgroups)
 
     def fd_count(self) -> int:
-        return self.fds_per_clone() * self.clones
+        return self.fds_per_clone() * self.clones + int(self.frozen_layer)
 
 
 @dataclass(frozen=True)

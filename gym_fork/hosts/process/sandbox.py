@@ -39,7 +39,7 @@ from gym_fork.system.linux import (
     live_children,
     wait_readable,
 )
-from gym_fork.system.sandbox_isolation import before_forking_clones
+from gym_fork.system.sandbox_isolation import adopt_frozen_layer, before_forking_clones
 from gym_fork.transport.channel import Channel
 from gym_fork.worker.loop import SubEnvSlot
 
@@ -134,6 +134,8 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     clones = arg["clones"]
     handed, fds = M.receive(worker.sock, M.CloneFds)
     try:
+        if handed.frozen_layer:  # its /tmp writes are a shared layer now: keep the new one
+            adopt_frozen_layer(fds.pop())
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):

@@ -1,0 +1,87 @@
+"""The controller's side of frozen /tmp layers: before a source forks, its writes become a
+read-only layer its clones share, so a fork copies nothing of its workspace
+(gym_fork/system/frozen_layers.py says how; the layer helper does it).
+
+Where it cannot (no root here, a kernel before 6.6, no private /tmp or tree view, a
+writable host directory, ``GYM_FORK_TMP_LAYERS=0``, or the helper says why for this
+source), the source's clones copy its writes, as before; the reason is logged once at
+DEBUG on the ``gym_fork`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from gym_fork import knobs
+from gym_fork.hosts.base import WorkerHandle
+from gym_fork.system import frozen_layers
+from gym_fork.system.host_view import TREE_TMP_VIEW
+from gym_fork.system.isolation import IsolationConfig
+from gym_fork.system.layer_helper import LayerHelper
+
+log = logging.getLogger("gym_fork")
+
+
+class TmpLayers:
+    """One process host's freezes: its layer helper, started at the first one."""
+
+    def __init__(self, isolation: IsolationConfig) -> None:
+        self.isolation = isolation
+        self.helper: LayerHelper | None = None
+        self.off = self._why_off()
+        self.said: set[str] = set()
+
+    def _why_off(self) -> str:
+        if knobs.read("GYM_FORK_TMP_LAYERS") == "0":
+            return "GYM_FORK_TMP_LAYERS=0"
+        if os.geteuid() != 0:
+            return "the controller is not root (the layer helper mounts in a sandbox's namespace)"
+        if not frozen_layers.kernel_supports_layers():
+            return f"kernel {os.uname().release} (tmpfs keeps user.* xattrs from 6.6)"
+        if not self.isolation.private_tmp or self.isolation.shared_writable():
+            return "sandboxes write a host directory (their clones get no namespaces)"
+        return ""
+
+    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> int | None:
+        """Freeze ``source``'s /tmp writes before its FORK: the fd of its new upper
+        layer (to send it with the clones' fds), or None (its clones copy them)."""
+        why = self.off or _why_not_for(source, tree)
+        if not why:
+            try:
+                if self.helper is None:
+                    self.helper = LayerHelper()
+                layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
+                pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
+                fd, _depth = self.helper.freeze(
+                    pidfd, layer, self.isolation.layer_bytes(), TREE_TMP_VIEW
+                )
+                return fd
+            except (OSError, RuntimeError) as exc:
+                why = str(exc)
+                if self.helper is not None and self.helper.broken:
+                    self.off = why
+        if why not in self.said and why != "nothing to freeze":
+            self.said.add(why)
+            log.debug("gym_fork: %s's clones copy its /tmp writes: %s", source.name, why)
+        return None
+
+    def close(self) -> None:
+        """End the helper, if one was started."""
+        helper, self.helper = self.helper, None
+        if helper is not None:
+            helper.close()
+
+
+def _why_not_for(source: WorkerHandle, tree: dict[str, Any]) -> str:
+    if not tree.get("tree", {}).get("tmp_view"):
+        return "the tree has no read-only view of its /tmp"
+    report = source.info.get("isolation")
+    sandbox = report.get("sandbox") if isinstance(report, dict) else None
+    layer = sandbox.get("tmp_layer_fd") if isinstance(sandbox, dict) else None
+    if type(layer) is not int or layer < 0:
+        return "it has no private /tmp layer of its own"
+    if getattr(source.watch, "fd", -1) < 0:
+        return "no pidfd of it"
+    return ""

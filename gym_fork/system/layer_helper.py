@@ -1,0 +1,113 @@
+"""The layer helper: a root process of the controller's that freezes a source sandbox's
+/tmp writes before a FORK (gym_fork/system/frozen_layers.py says how and why).
+
+One per process host, started at its first freeze (``python -S`` on this file: ~20 ms,
+stdlib only), single-threaded (a thread cannot enter another mount namespace), talking
+to the controller over a SOCK_SEQPACKET pair: a request is a JSON object and the
+source's pidfd; the answer a JSON object and, once frozen, the fd of the source's new
+upper layer. It ends when the controller's end closes (the host's close, or the
+controller's death: EOF), and is killed past a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+_MAX_REQUEST = 4096
+ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
+
+
+class LayerHelper:
+    """The controller's end: :meth:`freeze` asks, ``close`` ends the helper."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-S", "-E", __file__, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # not in the controller's terminal's signals
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.sock.settimeout(ANSWER_TIMEOUT_S)
+        self.broken = ""  # why no freeze is asked any more
+
+    def freeze(self, pidfd: int, layer_fd: int, size_bytes: int, base: str) -> tuple[int, int]:
+        """Freeze the /tmp writes of the sandbox ``pidfd``: (its new upper layer's fd, to
+        hand to it; its depth now). Raises RuntimeError with the helper's reason when it
+        did not (the source is then as it was); a helper that does not answer in time is
+        killed, and every later call raises."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        request = {"layer_fd": layer_fd, "size": size_bytes, "base": base}
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [pidfd])
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+        except OSError as exc:  # timeout included
+            self.broken = f"the layer helper did not answer ({exc})"
+            self.close()
+            raise RuntimeError(self.broken) from exc
+        answer = json.loads(data) if data else {"why": "the layer helper ended"}
+        if not answer.get("frozen") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                self.broken = answer["why"]
+            raise RuntimeError(str(answer.get("why")))
+        return fds[0], int(answer["depth"])
+
+    def close(self) -> None:
+        """End the helper (EOF on its socket), killed if it takes more than a second."""
+        self.sock.close()
+        try:
+            self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def serve(sock: socket.socket) -> None:
+    """The helper's loop: one freeze per request, until EOF."""
+    import frozen_layers  # type: ignore[import-not-found]  # sys.path[0]: this file's folder
+
+    while True:
+        data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST, 1)
+        if not data:
+            return
+        started = time.perf_counter()
+        answer: dict = {"frozen": False}
+        new = -1
+        try:
+            request = json.loads(data)
+            if len(fds) != 1:
+                raise frozen_layers.FreezeRefused("no pidfd came with the request")
+            new, depth = frozen_layers.freeze(
+                fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
+            )
+            answer = {"frozen": True, "depth": depth}
+        except frozen_layers.FreezeRefused as exc:
+            answer["why"] = str(exc)
+        except Exception as exc:  # told to the controller, which copies instead
+            answer["why"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for fd in fds:
+                os.close(fd)
+        answer["ms"] = (time.perf_counter() - started) * 1e3
+        socket.send_fds(sock, [json.dumps(answer).encode()], [new] if new >= 0 else [])
+        if new >= 0:
+            os.close(new)
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,304 @@
+"""Frozen /tmp layers (issue 32): a fork copies nothing of the source's workspace, and the
+source and its branches still each own their files; tried from inside sandboxes the way
+an env (a careless or hostile one) would use /tmp."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from gym_fork import ForkVectorEnv
+from gym_fork.hosts.process.layers import TmpLayers
+from gym_fork.system.isolation import IsolationConfig
+
+WHY_OFF = TmpLayers(IsolationConfig()).off
+pytestmark = pytest.mark.skipif(bool(WHY_OFF), reason=f"no frozen layers here: {WHY_OFF}")
+
+
+class Workspace(gym.Env):
+    """An agent's workspace in /tmp, and the ways an env holds on to it."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+    def write(self, path, text, mode="a"):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, mode) as f:
+            f.write(text)
+
+    def read(self, path):
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def listing(self, path):
+        return sorted(os.listdir(path)) if os.path.isdir(path) else None
+
+    def remove(self, path):
+        if os.path.isdir(path):
+            for name in os.listdir(path):
+                os.unlink(os.path.join(path, name))
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+
+    def layers(self):
+        from gym_fork.system import frozen_layers
+
+        return len(frozen_layers.layer_paths())
+
+    def hold_log(self):
+        self._log = open("/tmp/ws/held.log", "a")  # noqa: SIM115
+        self._log.write("before\n")
+        self._log.flush()
+
+    def log(self, text):
+        self._log.write(text)
+        self._log.flush()
+
+    def enter(self, path):
+        os.makedirs(path, exist_ok=True)
+        os.chdir(path)
+
+    def write_here(self, name, text):
+        with open(name, "a") as f:
+            f.write(text)
+
+
+def workspace_env():
+    """An env with a workspace of 50 files in /tmp."""
+    envs = ForkVectorEnv([Workspace], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        for i in range(50):
+            envs.call("write", f"/tmp/ws/f{i}.txt", f"file {i}\n")
+    except BaseException:
+        envs.close()
+        raise
+    return envs
+
+
+def test_a_branch_starts_from_the_frozen_workspace_and_each_side_writes_its_own():
+    envs = workspace_env()
+    try:
+        branch = envs.fork("b")
+        try:
+            assert envs.call("layers")[0] == 1 and branch.call("layers")[0] == 1
+            for env in (envs, branch):
+                assert env.call("read", "/tmp/ws/f49.txt")[0] == "file 49\n"
+            branch.call("write", "/tmp/ws/f0.txt", "by the branch\n")
+            envs.call("write", "/tmp/ws/f0.txt", "by the source\n")
+            envs.call("remove", "/tmp/ws/f1.txt")
+            assert branch.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nby the branch\n"
+            assert envs.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nby the source\n"
+            assert branch.call("read", "/tmp/ws/f1.txt")[0] == "file 1\n"
+            assert envs.call("read", "/tmp/ws/f1.txt")[0] is None
+            later = envs.fork("c")  # a second freeze: the source's later writes
+            try:
+                assert later.call("layers")[0] == 2
+                assert later.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nby the source\n"
+                assert later.call("read", "/tmp/ws/f1.txt")[0] is None
+                deeper = branch.fork("d")  # a branch's own freeze
+                try:
+                    assert deeper.call("layers")[0] == 2
+                    assert deeper.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nby the branch\n"
+                    branch.call("write", "/tmp/ws/after.txt", "after\n")
+                    assert deeper.call("read", "/tmp/ws/after.txt")[0] is None
+                finally:
+                    deeper.close()
+            finally:
+                later.close()
+            assert branch.call("read", "/tmp/ws/after.txt")[0] == "after\n"
+            assert envs.call("read", "/tmp/ws/after.txt")[0] is None
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_deleted_file_and_a_replaced_directory_stay_so_in_later_layers():
+    """A whiteout and an opaque directory written over a frozen layer hold in the next
+    one (every layer's overlay marks them alike: user.* xattrs, char 0/0 whiteouts)."""
+    envs = workspace_env()
+    try:
+        envs.call("write", "/tmp/ws/dir/old.txt", "old\n")
+        first = envs.fork("b")
+        try:
+            envs.call("remove", "/tmp/ws/f7.txt")
+            envs.call("remove", "/tmp/ws/dir")
+            envs.call("write", "/tmp/ws/dir/new.txt", "new\n")
+            second = envs.fork("c")
+            try:
+                assert second.call("layers")[0] == 2
+                for env in (envs, second):
+                    assert env.call("read", "/tmp/ws/f7.txt")[0] is None
+                    assert env.call("listing", "/tmp/ws/dir")[0] == ["new.txt"]
+                assert first.call("read", "/tmp/ws/f7.txt")[0] == "file 7\n"
+                assert first.call("listing", "/tmp/ws/dir")[0] == ["old.txt"]
+            finally:
+                second.close()
+        finally:
+            first.close()
+    finally:
+        envs.close()
+
+
+def test_a_source_keeps_writing_its_own_files_through_what_it_held_open():
+    """A log held open and a working directory in /tmp: after the freeze the source
+    writes its own new layer through them, never the frozen one its branch stands on."""
+    envs = workspace_env()
+    try:
+        envs.call("hold_log")
+        envs.call("enter", "/tmp/ws/cwd")
+        branch = envs.fork("b")
+        try:
+            assert envs.call("layers")[0] == 1
+            envs.call("log", "source after\n")
+            envs.call("write_here", "here.txt", "source here\n")
+            branch.call("log", "branch after\n")
+            assert envs.call("read", "/tmp/ws/held.log")[0] == "before\nsource after\n"
+            assert branch.call("read", "/tmp/ws/held.log")[0] == "before\nbranch after\n"
+            assert envs.call("read", "/tmp/ws/cwd/here.txt")[0] == "source here\n"
+            assert branch.call("read", "/tmp/ws/cwd/here.txt")[0] is None
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class HoldsEndpoints(Workspace):
+    def map_shared(self):
+        import mmap
+
+        with open("/tmp/ws/mapped", "wb") as f:
+            f.write(b"\0" * 4096)
+        fd = os.open("/tmp/ws/mapped", os.O_RDWR)
+        self._map = mmap.mmap(fd, 4096)
+        os.close(fd)
+
+    def open_fifo(self):
+        os.mkfifo("/tmp/ws/fifo")  # /tmp/ws: the test wrote a file there
+        self._fifo = os.open("/tmp/ws/fifo", os.O_RDONLY | os.O_NONBLOCK)
+
+    def bind_socket(self):
+        self._sock = socket.socket(socket.AF_UNIX)
+        self._sock.bind("/tmp/ws/server.sock")
+        self._sock.listen()
+
+    def connect(self):
+        client = socket.socket(socket.AF_UNIX)
+        try:
+            client.connect("/tmp/ws/server.sock")
+            return "connected"
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("hold", ["map_shared", "open_fifo", "bind_socket"])
+def test_what_a_new_tmp_would_break_makes_the_fork_copy_instead(hold):
+    """A shared mapping of a /tmp file, a fifo held open or a unix socket bound in
+    /tmp: no freeze (the source keeps its /tmp; its clients still reach its socket)."""
+    envs = ForkVectorEnv([HoldsEndpoints], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "content\n")
+        envs.call(hold)
+        branch = envs.fork("b")
+        try:
+            assert envs.call("layers")[0] == 0 and branch.call("layers")[0] == 0
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "content\n"  # copied
+            if hold == "bind_socket":
+                assert envs.call("connect")[0] == "connected"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class Fifos(Workspace):
+    def make_fifo(self):
+        os.makedirs("/tmp/ws", exist_ok=True)
+        os.mkfifo("/tmp/ws/pipe")
+
+    def open_end(self, flags):
+        try:
+            self._end = os.open("/tmp/ws/pipe", flags | os.O_NONBLOCK)
+            return "open"
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+
+
+def test_a_fifo_in_a_frozen_layer_is_no_channel_between_source_and_branch():
+    envs = ForkVectorEnv([Fifos], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("make_fifo")
+        branch = envs.fork("b")
+        try:
+            assert branch.call("layers")[0] == 1
+            assert envs.call("open_end", os.O_RDONLY)[0] == "open"  # a reader at the source
+            # the branch's fifo is another pipe: no reader there
+            assert branch.call("open_end", os.O_WRONLY)[0] == "ENXIO"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class PointsElsewhere(Workspace):
+    """Puts another directory at the fd number its HELLO gave for its layer."""
+
+    def swap_layer_fd(self, path):
+        from gym_fork.system import sandbox_isolation
+
+        number = sandbox_isolation.private_layer_fd()
+        other = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        os.dup2(other, number)
+        os.close(other)
+
+
+@pytest.mark.parametrize("elsewhere", ["/dev/shm", "/etc"])
+def test_a_source_cannot_point_the_layer_helper_at_another_directory(elsewhere):
+    envs = ForkVectorEnv([PointsElsewhere], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "content\n")
+        envs.call("write", "/dev/shm/upper/kept.txt", "kept\n")
+        envs.call("swap_layer_fd", elsewhere)
+        branch = envs.fork("b")
+        try:
+            assert envs.call("layers")[0] == 0
+            assert envs.call("read", "/dev/shm/upper/kept.txt")[0] == "kept\n"
+            assert envs.call("listing", "/dev/shm/upper")[0] == ["kept.txt"]
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_the_layer_helper_ends_with_its_host():
+    envs = workspace_env()
+    try:
+        branch = envs.fork("b")
+        branch.close()
+        helper = envs.sandboxes.host.tmp_layers.helper
+        assert helper is not None and helper.process.poll() is None
+    finally:
+        envs.close()
+    assert helper.process.poll() is not None
