@@ -9,8 +9,12 @@ by the warm parent before any sandbox exists ("parent": ``from_parent``'s warmup
 layer is every sandbox's shared lower layer). Then:
 
   fork       ``fork(indices=[0], copies=k)`` of the running source + one step of every
-             copy ("ls"): the time to the branches' first step, and the fork call alone
-             (the source waits that long: its clones copy its /tmp layer meanwhile)
+             copy ("ls"): the time to the branches' first step, the fork call alone, and
+             the freeze of the source's /tmp writes into a shared layer (the source
+             waits that long: gym_fork/system/frozen_layers.py; the first fork only, the
+             later ones of the same source find nothing new to freeze)
+  copy fork  the same with ``GYM_FORK_TMP_LAYERS=0``: each clone copies the source's
+             /tmp writes (what a fork did before frozen layers)
   cp -a      what a user does without a fork: k fresh sandboxes (clones of the warm
              parent, ``reset_mode="clone"``) whose reset copies the same workspace with
              ``cp -a --no-preserve=ownership`` (a sandbox maps no other uid) from the
@@ -19,7 +23,7 @@ layer is every sandbox's shared lower layer). Then:
 Each (contender, k) runs in a fresh interpreter, contenders interleaved, ``--rounds``
 rounds; a run's figure is the median of its repetitions, the report gives the median of
 the rounds with their min-max, and the load before and after each round. A workspace the
-source wrote is not forked 64 times: 64 copies of its layer would be 12.8 GB of tmpfs.
+source wrote is copied 8 times at most ("copy fork"): 64 copies would be 12.8 GB of tmpfs.
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ sys.path.insert(0, EXAMPLES)
 MATRIX = (
     ("fork", 1, "empty"),
     ("fork", 1, "sandbox"),
+    ("copy fork", 1, "sandbox"),
     ("fork", 1, "parent"),
     ("cp -a", 1, "sandbox"),
     ("fork", 8, "empty"),
     ("fork", 8, "sandbox"),
+    ("copy fork", 8, "sandbox"),
     ("fork", 8, "parent"),
     ("cp -a", 8, "sandbox"),
     ("fork", 64, "empty"),
+    ("fork", 64, "sandbox"),
     ("fork", 64, "parent"),
 )
 # With --microvm: the same forks on host="microvm" (the whole guest cloned: its RAM is
@@ -123,7 +130,9 @@ def one(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
 
     workspace = (mb, files)
     times: dict[str, list[float]] = {"first_step_s": [], "fork_s": []}
-    if contender in ("fork", "vm fork"):
+    if contender == "copy fork":  # what a fork did before frozen layers: clones copy
+        os.environ["GYM_FORK_TMP_LAYERS"] = "0"
+    if contender in ("fork", "copy fork", "vm fork"):
         warmup = functools.partial(_fill_in_parent, mb=mb, files=files)
         vm = {"host": "microvm", "vm_memory_mb": VM_MEMORY_MB} if contender == "vm fork" else {}
         envs = ForkVectorEnv.from_parent(
@@ -141,6 +150,9 @@ def one(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
                 branch.close()
                 times["fork_s"].append(t1 - t0)
                 times["first_step_s"].append(t2 - t0)
+            helper = getattr(getattr(envs.sandboxes.host, "tmp_layers", None), "helper", None)
+            if helper is not None and helper.freeze_ms:  # the source waited that long
+                times["freeze_s"] = [ms / 1e3 for ms in helper.freeze_ms]
         finally:
             envs.close()
     else:
@@ -225,7 +237,10 @@ def main() -> None:
     print(f"workspace: {args.mb} MB in {args.files} files; {os.cpu_count()} cores")
     if args.microvm:
         print(f"microVM rows: {args.vm_mb} MB in {args.vm_files} files in the guest")
-    print(f"{'contender':<22} {'first step (ms)':>24} {'fork call (ms)':>22} {'branches/s':>11}")
+    print(
+        f"{'contender':<22} {'first step (ms)':>24} {'fork call (ms)':>22} {'branches/s':>11}"
+        f" {'freeze (ms)':>12}"
+    )
     for key, row in table.items():
         first = row["first_step_s"]
         cell = f"{first['median'] * 1e3:.1f} ({first['min'] * 1e3:.1f}-{first['max'] * 1e3:.1f})"
@@ -235,7 +250,9 @@ def main() -> None:
             if fork is None
             else f"{fork['median'] * 1e3:.1f} ({fork['min'] * 1e3:.1f}-{fork['max'] * 1e3:.1f})"
         )
-        print(f"{key:<22} {cell:>24} {fcell:>22} {row['branches_per_s']:>11.0f}")
+        freeze = row.get("freeze_s")
+        zcell = "" if freeze is None else f"{freeze['median'] * 1e3:.2f}"
+        print(f"{key:<22} {cell:>24} {fcell:>22} {row['branches_per_s']:>11.0f} {zcell:>12}")
     print("anchors (published, their conditions):")
     for name, claim in ANCHORS:
         print(f"  {name}: {claim}")

@@ -42,6 +42,7 @@ class LayerHelper:
         self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
         self.broken = ""  # why no freeze is asked any more
+        self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
 
     def freeze(self, pidfd: int, layer_fd: int, size_bytes: int, base: str) -> tuple[int, int]:
         """Freeze the /tmp writes of the sandbox ``pidfd``: (its new upper layer's fd, to
@@ -59,6 +60,8 @@ class LayerHelper:
             self.close()
             raise RuntimeError(self.broken) from exc
         answer = json.loads(data) if data else {"why": "the layer helper ended"}
+        if answer.get("frozen") and isinstance(answer.get("ms"), float):
+            self.freeze_ms = [*self.freeze_ms[-999:], answer["ms"]]
         if not answer.get("frozen") or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
