@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 _MAX_REQUEST = 4096
 ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
@@ -59,9 +60,10 @@ class LayerHelper:
             self.broken = f"the layer helper did not answer ({exc})"
             self.close()
             raise RuntimeError(self.broken) from exc
-        answer = json.loads(data) if data else {"why": "the layer helper ended"}
-        if answer.get("frozen") and isinstance(answer.get("ms"), float):
-            self.freeze_ms = [*self.freeze_ms[-999:], answer["ms"]]
+        answer: dict[str, Any] = json.loads(data) if data else {"why": "the layer helper ended"}
+        took = answer.get("ms")
+        if answer.get("frozen") and isinstance(took, float):
+            self.freeze_ms = [*self.freeze_ms[-999:], took]
         if not answer.get("frozen") or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -89,7 +91,7 @@ def serve(sock: socket.socket) -> None:
         if not data:
             return
         started = time.perf_counter()
-        answer: dict = {"frozen": False}
+        answer: dict[str, Any] = {"frozen": False}
         new = -1
         try:
             request = json.loads(data)
