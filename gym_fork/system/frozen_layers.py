@@ -50,8 +50,10 @@ import stat
 
 try:
     from gym_fork.system import namespaces as ns
+    from gym_fork.system import procmaps
 except ImportError:  # run by layer_helper.py as a script: the package is not imported
     import namespaces as ns  # type: ignore[import-not-found,no-redef]
+    import procmaps  # type: ignore[import-not-found,no-redef]
 
 LAYERS_DIR = (
     "/dev/.gym_fork-layers"  # made by the tree's /dev (host_view.minimal_dev, which names it too)
@@ -133,25 +135,17 @@ def _check_layer(layer: int, pid: int) -> bool:
     buf = (ctypes.c_long * 16)()  # struct statfs: f_type first
     if _libc.fstatfs(layer, buf) != 0 or buf[0] != _TMPFS_MAGIC:
         raise FreezeRefused("its layer fd is not on a tmpfs")
-    layer_mount, indexed = str(_mount_id(layer)), False
-    with open(f"/proc/{pid}/mountinfo") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if fields[0] == layer_mount:
-                raise FreezeRefused("its layer fd is on a mounted file system, not its layer")
-            indexed = indexed or (len(fields) > 4 and fields[4] == LAYERS_DIR)
-    return indexed
+    with open(f"/proc/{pid}/mountinfo", "rb") as f:
+        table = b"\n" + f.read()  # one read, searched as bytes: ~50 us, not ~0.5 ms of lines
+    if b"\n%d " % _mount_id(layer) in table:
+        raise FreezeRefused("its layer fd is on a mounted file system, not its layer")
+    return f" {LAYERS_DIR} ".encode() in table
 
 
 def _shares_a_tmp_file(pid: int) -> bool:
     """Whether the source maps a /tmp file MAP_SHARED (its writes through the mapping
     would keep changing the frozen file under its clones)."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[1][3] == "s" and fields[5].startswith("/tmp/"):
-                return True
-    return False
+    return any(name.startswith("/tmp/") for _writable, name in procmaps.shared_vmas(pid))
 
 
 def _keeps_a_tmp_endpoint(pid: int) -> str:
