@@ -252,6 +252,58 @@ def test_cancelling_the_task_mid_step_leaves_no_sandbox_thread_or_branch():
     assert time.monotonic() - started < 60
 
 
+class WritesItsWorkspace(TimedEnv):
+    """A TimedEnv whose reset writes a file into /tmp: its fork freezes that layer."""
+
+    def reset(self, *, seed=None, options=None):
+        with open("/tmp/workspace.txt", "w") as f:
+            f.write("written\n")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if int(action) != 1:
+            return super().step(action)
+        from gym_fork.system import frozen_layers  # action 1: at once, its layers' count
+
+        obs = self.observation_space.sample()
+        return obs, 0.0, False, False, {"layers": len(frozen_layers.layer_paths())}
+
+
+def _why_no_frozen_layers() -> str:
+    from gym_fork.hosts.process.layers import TmpLayers
+    from gym_fork.system.isolation import IsolationConfig
+
+    return TmpLayers(IsolationConfig()).off
+
+
+@pytest.mark.skipif(bool(_why_no_frozen_layers()), reason=_why_no_frozen_layers() or "-")
+def test_cancelled_after_forking_a_written_workspace_leaves_no_layer_or_helper():
+    """The fork froze the source's /tmp (a layer helper process, mounts in the sandboxes'
+    namespaces): a cancelled task leaves neither (the helper is a child of this process:
+    the leak check sees it)."""
+    seen: list[int] = []
+
+    async def agent():
+        async with await AsyncForkVectorEnv.open([lambda: WritesItsWorkspace(5.0)]) as envs:
+            await envs.reset(0)
+            async with await envs.fork("frozen", indices=[0], copies=1) as branch:
+                seen.append((await branch.step(0, 1))[4]["layers"])
+                await asyncio.gather(envs.step(0, 0), branch.step(0, 0))
+
+    async def main():
+        task = asyncio.ensure_future(agent())
+        while not seen:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        task.cancel()  # two 5 s steps are running
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    assert seen == [1]  # the branch stood on its source's frozen layer
+    assert wait_until(lambda: not engine_threads()), engine_threads()
+
+
 def test_cancelled_while_it_opens_nothing_is_left():
     async def main():
         for delay in (0.0, 0.05, 0.3):
