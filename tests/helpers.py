@@ -336,3 +336,12 @@ def tracked_idle_pool(size: int, become: Callable) -> Iterator[Any]:
 
 def make_space_env(observation_space, action_space=None, **kwargs) -> Any:
     return lambda: SpaceEnv(observation_space, action_space, **kwargs)
+
+
+def why_no_frozen_layers() -> str:
+    """Why a fork here copies a source's /tmp writes instead of freezing them into a
+    shared layer ("" where it freezes): gym_fork/hosts/process/layers.py."""
+    from gym_fork.hosts.process.layers import TmpLayers
+    from gym_fork.system.isolation import IsolationConfig
+
+    return TmpLayers(IsolationConfig()).off

@@ -17,7 +17,14 @@ from gymnasium.error import ClosedEnvironmentError
 
 from gym_fork import SubEnvError
 from gym_fork.aio import AsyncForkVectorEnv
-from tests.helpers import SpaceEnv, alive, descendants, marked_processes, wait_until
+from tests.helpers import (
+    SpaceEnv,
+    alive,
+    descendants,
+    marked_processes,
+    wait_until,
+    why_no_frozen_layers,
+)
 from tests.vector.test_batches import UnevenEnv
 
 
@@ -269,14 +276,7 @@ class WritesItsWorkspace(TimedEnv):
         return obs, 0.0, False, False, {"layers": len(frozen_layers.layer_paths())}
 
 
-def _why_no_frozen_layers() -> str:
-    from gym_fork.hosts.process.layers import TmpLayers
-    from gym_fork.system.isolation import IsolationConfig
-
-    return TmpLayers(IsolationConfig()).off
-
-
-@pytest.mark.skipif(bool(_why_no_frozen_layers()), reason=_why_no_frozen_layers() or "-")
+@pytest.mark.skipif(bool(why_no_frozen_layers()), reason=why_no_frozen_layers() or "-")
 def test_cancelled_after_forking_a_written_workspace_leaves_no_layer_or_helper():
     """The fork froze the source's /tmp (a layer helper process, mounts in the sandboxes'
     namespaces): a cancelled task leaves neither (the helper is a child of this process:

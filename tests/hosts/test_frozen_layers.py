@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from gym_fork import ForkVectorEnv
-from gym_fork.hosts.process.layers import TmpLayers
-from gym_fork.system.isolation import IsolationConfig
+from tests.helpers import why_no_frozen_layers
 
-WHY_OFF = TmpLayers(IsolationConfig()).off
+WHY_OFF = why_no_frozen_layers()
 pytestmark = pytest.mark.skipif(bool(WHY_OFF), reason=f"no frozen layers here: {WHY_OFF}")
 
 
