@@ -248,6 +248,16 @@ def _python() -> Check:
     return Check("python", "ok" if ok else "missing", sys.version.split()[0], required=True)
 
 
+def _tmp_layers() -> Check:
+    from gym_fork.hosts.process.layers import TmpLayers
+    from gym_fork.system.isolation import IsolationConfig
+
+    why = TmpLayers(IsolationConfig()).off
+    if why:
+        return Check("tmp layers", "degraded", f"a fork copies a sandbox's /tmp writes: {why}")
+    return Check("tmp layers", "ok", "a fork freezes a sandbox's /tmp writes into a shared layer")
+
+
 def checks() -> list[Check]:
     """Every check, in the order they are printed."""
     return [
@@ -256,6 +266,7 @@ def checks() -> list[Check]:
         _shared_memory(),
         _probe_namespaces(),
         _cgroups(),
+        _tmp_layers(),
         _kvm(),
         _qemu(),
         _microvm(),

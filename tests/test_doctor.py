@@ -16,6 +16,7 @@ import pytest
 
 from gym_fork import doctor
 from gym_fork.hosts.microvm.building.kernel import KernelNotFound, find_kernel
+from tests.helpers import why_no_frozen_layers
 
 # Measured ~2 s here (2 cores); a machine 3x slower and a loaded CI runner stay well
 # inside this. It is a hang guard, not a speed assertion.
@@ -174,3 +175,12 @@ def test_image_show_plans_without_building(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "not built" in done.stdout and "gymnasium" in done.stdout, done.stdout
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_tmp_layers_line_says_why_a_fork_copies(monkeypatch):
+    monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
+    line = doctor._tmp_layers()
+    assert line.status == "degraded" and "GYM_FORK_TMP_LAYERS=0" in line.detail
+    monkeypatch.delenv("GYM_FORK_TMP_LAYERS")
+    line = doctor._tmp_layers()
+    assert line.status == ("degraded" if why_no_frozen_layers() else "ok"), line
