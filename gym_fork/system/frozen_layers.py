@@ -26,9 +26,14 @@ the source's old overlay stays mounted (under the new one, and in every earlier 
 namespace copy), and overlayfs warns on every mount whose lower is another's upper.
 
 Invariants the helper keeps (nothing the source says is trusted): the layer it freezes is
-a detached tmpfs the source holds an fd of (a confined sandbox cannot make one; anything
-else is refused); every path it touches is under that tmpfs through fds, or a slot of the
-index it mounted itself (read-only to the sandbox, no symlink in it); it never freezes a
+a detached tmpfs the source holds an fd of, and the upper layer of the /tmp the source has
+(a file the helper makes in that /tmp must appear in it: not a dup of its own source's
+layer, nor a tmpfs a sandbox made in a user namespace of its own); every path it touches
+is under that tmpfs through fds, the tree's view (no symlink), or a slot of the index it
+mounted itself (read-only to the sandbox); the frozen layer's file system is made
+read-only (sealed) once the source has reopened its files, before any clone runs, and a
+source whose layer cannot be sealed (a file of it still open for writing past /tmp's
+overlay) is not forked (gym_fork/hosts/process/layers.py); it never freezes a
 sandbox that maps a /tmp file shared (the mapping would keep writing the frozen layer),
 has a unix socket bound or a fifo open under /tmp (a new overlay is a new inode for them:
 its own clients would lose it), or is MAX_LAYERS deep (the clone then copies what was
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import stat
@@ -61,8 +67,13 @@ LAYERS_DIR = (
 # Each layer is a mount in the source's namespace and in every namespace copied from it,
 # and a lower of each /tmp mounted since; 32 keeps /tmp's mount options well under a page.
 MAX_LAYERS = 32
+# Entries at the top of the upper layer, renamed one by one while the source waits: past
+# this, the clones copy instead (a freeze stays well inside the helper's deadline).
+MAX_TOP_ENTRIES = 20_000
 _TMPFS_MAGIC = 0x01021994
-_SYS_PIDFD_GETFD = 438
+_SYS_PIDFD_GETFD, _SYS_FSPICK, _SYS_FSCONFIG = 438, 433, 431
+_FSPICK_CLOEXEC, _FSPICK_EMPTY_PATH = 0x1, 0x8
+_FSCONFIG_SET_FLAG, _FSCONFIG_CMD_RECONFIGURE = 0, 7
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -168,7 +179,29 @@ def _keeps_a_tmp_endpoint(pid: int) -> str:
             continue  # closed meanwhile
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             return f"it holds {path[:200]} open, which is not a file or directory"
+        if path.endswith(" (deleted)"):  # an O_TMPFILE or unlinked file: no path to reopen
+            return f"it holds a deleted file open ({path[:200]})"
     return ""
+
+
+def _check_is_its_tmp(upper: int, owner: os.stat_result) -> None:
+    """In the source's mount namespace: the layer it named must be the upper layer of the
+    /tmp it has (not a dup of its source's, or of a tmpfs of its own): a file made in /tmp
+    must appear in that layer's ``upper``."""
+    probe = f".gym_fork-probe-{os.urandom(6).hex()}"
+    tmp = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with _as_owner(owner):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            os.close(os.open(probe, flags, 0o600, dir_fd=tmp))
+            try:
+                os.stat(probe, dir_fd=upper, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FreezeRefused("its layer fd is not the upper layer of its /tmp") from None
+            finally:
+                os.unlink(probe, dir_fd=tmp)
+    finally:
+        os.close(tmp)
 
 
 def _new_index(size_bytes: int = 1 << 20) -> int:
@@ -219,12 +252,13 @@ def _move_entries(names: list[str], src: int, dst: int) -> list[str]:
     return moved
 
 
-def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[int, int]:
+def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[int, int, int]:
     """Run by the layer helper (root, single-threaded): freeze the writes of the sandbox
     ``pidfd`` (its private layer is its fd ``layer_number``) into a read-only layer,
     cover its /tmp with a new overlay over that layer, its earlier ones and ``base``
     (the tree's /tmp view), with a new empty upper of at most ``size_bytes``. Returns
-    (an fd of that new layer's tmpfs, for the source to keep; the depth now). Raises
+    (an fd of that new layer's tmpfs, for the source to keep; the depth now; an fd of the
+    frozen layer's tmpfs, to :func:`seal` once the source has reopened its files). Raises
     FreezeRefused, leaving the source as it was (nothing to freeze included).
 
     Everything under /proc is read before entering the source's namespace (its /proc
@@ -250,6 +284,10 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
         names = os.listdir(upper)
         if not names:
             raise FreezeRefused("nothing to freeze")
+        if len(names) > MAX_TOP_ENTRIES:
+            raise FreezeRefused(
+                f"{len(names)} entries at the top of its /tmp (a freeze renames each)"
+            )
         owner = os.fstat(upper)
         frozen_name = f"frozen-{os.urandom(6).hex()}"  # in the layer's root: not in /tmp
         with _as_owner(owner):
@@ -267,6 +305,9 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
         _setns(pidfd, ns.CLONE_NEWNS)
         entered = True
         os.chdir("/")
+        if os.path.islink(base) or not os.path.ismount(base):
+            raise FreezeRefused(f"{base} is not the tree's /tmp view in its namespace")
+        _check_is_its_tmp(upper, owner)
         if not indexed:
             if not os.path.isdir(LAYERS_DIR) or os.path.islink(LAYERS_DIR):
                 raise FreezeRefused(f"the tree's /dev has no {LAYERS_DIR}")
@@ -299,7 +340,8 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
             raise
         frozen_name = ""
         opened.remove(new)
-        return new, depth + 1
+        opened.remove(layer)
+        return new, depth + 1, layer
     finally:
         if frozen_name:  # not frozen: its empty directory goes
             with contextlib.suppress(OSError), _as_owner(owner):
@@ -308,3 +350,28 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
             _setns(own_ns, ns.CLONE_NEWNS)
         for fd in opened:
             os.close(fd)
+
+
+def seal(layer: int) -> None:
+    """Make the frozen layer's file system read-only (``layer``: an fd of it, from
+    :func:`freeze`), once the source has reopened its /tmp files on its new layer: from
+    then on no fd of anyone's writes it (one kept past the overlay, received through a
+    socket, or a writable shared mapping would, and makes this refuse: EBUSY). Raises
+    FreezeRefused saying why."""
+    picked = _libc.syscall(_SYS_FSPICK, layer, b"", _FSPICK_CLOEXEC | _FSPICK_EMPTY_PATH)
+    if picked < 0:
+        raise FreezeRefused(f"its layer cannot be reconfigured ({os.strerror(ctypes.get_errno())})")
+    try:
+        if _libc.syscall(_SYS_FSCONFIG, picked, _FSCONFIG_SET_FLAG, b"ro", None, 0) != 0:
+            raise FreezeRefused(f"ro: {os.strerror(ctypes.get_errno())}")
+        if _libc.syscall(_SYS_FSCONFIG, picked, _FSCONFIG_CMD_RECONFIGURE, None, None, 0) != 0:
+            err = ctypes.get_errno()
+            if err == errno.EBUSY:
+                raise FreezeRefused(
+                    "a file of its frozen /tmp layer is still open for writing outside /tmp's "
+                    "overlay (an fd kept through its layer, or in flight on a socket), or "
+                    "mapped writable and shared"
+                )
+            raise FreezeRefused(f"its layer cannot be made read-only ({os.strerror(err)})")
+    finally:
+        os.close(picked)

@@ -45,32 +45,48 @@ class LayerHelper:
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
 
-    def freeze(self, pidfd: int, layer_fd: int, size_bytes: int, base: str) -> tuple[int, int]:
+    def freeze(self, pidfd: int, layer_fd: int, size_bytes: int, base: str) -> tuple[int, int, int]:
         """Freeze the /tmp writes of the sandbox ``pidfd``: (its new upper layer's fd, to
-        hand to it; its depth now). Raises RuntimeError with the helper's reason when it
+        hand to it; its depth now; the token to :meth:`seal` the frozen layer with once
+        it has reopened its files). Raises RuntimeError with the helper's reason when it
         did not (the source is then as it was); a helper that does not answer in time is
         killed, and every later call raises."""
+        request = {"op": "freeze", "layer_fd": layer_fd, "size": size_bytes, "base": base}
+        answer, fds = self._ask(request, [pidfd])
+        if not answer.get("frozen") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(str(answer.get("why")))
+        took = answer.get("ms")
+        if isinstance(took, float):
+            self.freeze_ms = [*self.freeze_ms[-999:], took]
+        return fds[0], int(answer["depth"]), int(answer["token"])
+
+    def seal(self, token: int, drop: bool = False) -> str:
+        """Make the layer frozen under ``token`` read-only ("" once it is, else why not);
+        ``drop``: only let go of it (its FORK failed before)."""
+        try:
+            answer, fds = self._ask({"op": "seal", "token": token, "drop": drop}, [])
+        except RuntimeError as exc:
+            return str(exc)
+        for fd in fds:
+            os.close(fd)
+        return "" if answer.get("sealed") else str(answer.get("why"))
+
+    def _ask(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         if self.broken:
             raise RuntimeError(self.broken)
-        request = {"layer_fd": layer_fd, "size": size_bytes, "base": base}
         try:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], [pidfd])
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
         except OSError as exc:  # timeout included
             self.broken = f"the layer helper did not answer ({exc})"
             self.close()
             raise RuntimeError(self.broken) from exc
-        answer: dict[str, Any] = json.loads(data) if data else {"why": "the layer helper ended"}
-        took = answer.get("ms")
-        if answer.get("frozen") and isinstance(took, float):
-            self.freeze_ms = [*self.freeze_ms[-999:], took]
-        if not answer.get("frozen") or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            if not data:
-                self.broken = answer["why"]
-            raise RuntimeError(str(answer.get("why")))
-        return fds[0], int(answer["depth"])
+        if not data:
+            self.broken = "the layer helper ended"
+            raise RuntimeError(self.broken)
+        return json.loads(data), got
 
     def close(self) -> None:
         """End the helper (EOF on its socket), killed if it takes more than a second."""
@@ -83,9 +99,12 @@ class LayerHelper:
 
 
 def serve(sock: socket.socket) -> None:
-    """The helper's loop: one freeze per request, until EOF."""
+    """The helper's loop: one freeze or seal per request, until EOF. A frozen layer's fd
+    waits here for its seal (or its drop)."""
     import frozen_layers  # type: ignore[import-not-found]  # sys.path[0]: this file's folder
 
+    pending: dict[int, int] = {}  # token -> the frozen layer's fd
+    tokens = iter(range(1, 1 << 62))
     while True:
         data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST, 1)
         if not data:
@@ -95,12 +114,25 @@ def serve(sock: socket.socket) -> None:
         new = -1
         try:
             request = json.loads(data)
-            if len(fds) != 1:
-                raise frozen_layers.FreezeRefused("no pidfd came with the request")
-            new, depth = frozen_layers.freeze(
-                fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
-            )
-            answer = {"frozen": True, "depth": depth}
+            if request.get("op") == "seal":
+                layer = pending.pop(int(request["token"]), -1)
+                answer = {"sealed": False, "why": "no such frozen layer"}
+                if layer >= 0:
+                    try:
+                        if not request.get("drop"):
+                            frozen_layers.seal(layer)
+                            answer = {"sealed": True}
+                    finally:
+                        os.close(layer)
+            else:
+                if len(fds) != 1:
+                    raise frozen_layers.FreezeRefused("no pidfd came with the request")
+                new, depth, layer = frozen_layers.freeze(
+                    fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
+                )
+                token = next(tokens)
+                pending[token] = layer
+                answer = {"frozen": True, "depth": depth, "token": token}
         except frozen_layers.FreezeRefused as exc:
             answer["why"] = str(exc)
         except Exception as exc:  # told to the controller, which copies instead

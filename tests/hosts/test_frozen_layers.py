@@ -301,3 +301,108 @@ def test_the_layer_helper_ends_with_its_host():
     finally:
         envs.close()
     assert helper.process.poll() is not None
+
+
+class KeepsItsLayer(Workspace):
+    """Keeps fds past /tmp's overlay: a dup of its layer's fd, or a file of the layer
+    opened for writing through it."""
+
+    def stash_layer(self):
+        from gym_fork.system import sandbox_isolation
+
+        self._stash = os.dup(sandbox_isolation.private_layer_fd())
+        return self._stash
+
+    def write_through_stash(self, relative, text):
+        root = f"/proc/self/fd/{self._stash}"
+        frozen = [n for n in os.listdir(root) if n.startswith("frozen-")]
+        try:
+            with open(f"{root}/{frozen[0]}/{relative}", "w") as f:
+                f.write(text)
+            return "written"
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+
+    def open_for_writing_past_the_overlay(self):
+        from gym_fork.system import sandbox_isolation
+
+        layer = sandbox_isolation.private_layer_fd()
+        self._raw = open(f"/proc/self/fd/{layer}/upper/ws/file.txt", "a")  # noqa: SIM115
+
+    def point_layer_fd_at(self, fd):
+        from gym_fork.system import sandbox_isolation
+
+        os.dup2(fd, sandbox_isolation.private_layer_fd())
+
+
+def test_a_frozen_layer_is_read_only_even_through_an_fd_kept_past_the_overlay():
+    """The source kept a dup of its layer's fd (so does its branch, by inheritance):
+    after the fork neither writes the frozen files through it (the layer's file system
+    is read-only: sealed), so neither sees the other's writes."""
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("stash_layer")
+        branch = envs.fork("b")
+        try:
+            assert branch.call("layers")[0] == 1
+            assert envs.call("write_through_stash", "ws/file.txt", "by source\n")[0] == "EROFS"
+            assert branch.call("write_through_stash", "ws/new.txt", "by branch\n")[0] == "EROFS"
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "original\n"
+            assert envs.call("listing", "/tmp/ws")[0] == ["file.txt"]
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_source_writing_its_layer_past_the_overlay_is_not_forked():
+    """A file of its layer open for writing past /tmp's overlay would keep changing the
+    frozen layer under its clones: the layer cannot be sealed, the fork fails saying so
+    (no clone is made), and so does every later fork of that source."""
+    from gym_fork import SubEnvError
+
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("open_for_writing_past_the_overlay")
+        for _ in range(2):
+            with pytest.raises((SubEnvError, RuntimeError), match="not read-only"):
+                envs.fork("b")
+        assert envs.call("read", "/tmp/ws/file.txt")[0] == "original\n"  # its own view
+    finally:
+        envs.close()
+
+
+def test_a_branch_cannot_have_its_sources_live_layer_frozen():
+    """The source handed its branch a dup of its live layer's fd; the branch puts it at
+    its own layer's fd number and forks: the helper sees that layer is not the branch's
+    /tmp (its probe file does not appear there) and freezes nothing of the source's."""
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/first.txt", "1\n")
+        first = envs.fork("b1")  # the source's writes frozen: it writes a new layer now
+        try:
+            stash = envs.call("stash_layer")[0]
+            second = envs.fork("b2")  # nothing new: no freeze; b2 inherits the stash
+            try:
+                envs.call("write", "/tmp/ws/live.txt", "live\n")
+                second.call("point_layer_fd_at", stash)
+                third = second.fork("c")
+                try:
+                    assert second.call("layers")[0] == 1  # no freeze of "its" layer
+                    assert envs.call("listing", "/tmp/ws")[0] == ["first.txt", "live.txt"]
+                    envs.call("write", "/tmp/ws/new.txt", "new\n")
+                    assert envs.call("read", "/tmp/ws/new.txt")[0] == "new\n"
+                    assert "new.txt" not in third.call("listing", "/tmp/ws")[0]
+                finally:
+                    third.close()
+            finally:
+                second.close()
+        finally:
+            first.close()
+    finally:
+        envs.close()

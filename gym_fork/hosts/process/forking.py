@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
+SEAL_WAIT_S = 10.0  # a source reopens its /tmp files: milliseconds
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
@@ -72,18 +73,21 @@ def _start_fork(
     clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
     link: SandboxLink = source.host_data
     what = f"fork of {source.name}"
+    frozen = None
     try:
-        layer = host.tmp_layers.freeze(source, host.tree_isolation)
+        frozen = host.tmp_layers.freeze(source, host.tree_isolation)
         try:
-            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, layer is not None)
-            M.send(link.sock, handed, fds if layer is None else [*fds, layer])
+            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, bool(frozen))
+            M.send(link.sock, handed, fds if frozen is None else [*fds, frozen[0]])
         finally:
             groups.close_fds()  # the source has its copies
-            if layer is not None:
-                os.close(layer)
+            if frozen is not None:
+                os.close(frozen[0])
         arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
         waiting = job.ask_later(P.FORK, arg)
     except BaseException:
+        if frozen is not None:
+            host.tmp_layers.seal(source, frozen[1], drop=True)
         for end in ends:
             end.handed_over()
             end.abort()
@@ -91,6 +95,8 @@ def _start_fork(
         raise
 
     def exchange() -> tuple[list[int], list[ProcessWatch]]:
+        if frozen is not None:
+            _seal_when_adopted(host, source, link, frozen[1], what)
         pids = waiting()
         if isinstance(pids, dict):  # refused: it would share memory with its clones
             raise _shared_memory_refused(source, pids)
@@ -118,6 +124,20 @@ def _start_fork(
         return handles
 
     return finish
+
+
+def _seal_when_adopted(
+    host: ProcessHost, source: WorkerHandle, link: SandboxLink, token: int, what: str
+) -> None:
+    """The source reopened its /tmp files on its new layer (LayerAdopted): make the
+    frozen one read-only and tell it (LayerSealed); it forks its clones only then."""
+    try:
+        M.receive_reply(link.sock, SEAL_WAIT_S, what, M.LayerAdopted)
+    except BaseException:
+        host.tmp_layers.seal(source, token, drop=True)
+        raise  # the FORK's own answer says why (its worker failed or died)
+    why = host.tmp_layers.seal(source, token)
+    M.send(link.sock, M.LayerSealed(not why, escape_controls(why[:500])))
 
 
 def _clone_groups(host: ProcessHost, count: int) -> cgroups.CloneGroups:

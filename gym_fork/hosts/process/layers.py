@@ -32,6 +32,7 @@ class TmpLayers:
         self.helper: LayerHelper | None = None
         self.off = self._why_off()
         self.said: set[str] = set()
+        self.unsealed: dict[int, str] = {}  # pid -> why its frozen layer is not read-only
 
     def _why_off(self) -> str:
         if knobs.read("GYM_FORK_TMP_LAYERS") == "0":
@@ -44,9 +45,16 @@ class TmpLayers:
             return "sandboxes write a host directory (their clones get no namespaces)"
         return ""
 
-    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> int | None:
-        """Freeze ``source``'s /tmp writes before its FORK: the fd of its new upper
-        layer (to send it with the clones' fds), or None (its clones copy them)."""
+    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> tuple[int, int] | None:
+        """Freeze ``source``'s /tmp writes before its FORK: (the fd of its new upper layer,
+        to send with the clones' fds; the token to :meth:`seal` with), or None (its clones
+        copy them). Raises RuntimeError for a source whose frozen layer could not be
+        sealed before: no clone may stand on a layer that can still be written."""
+        if source.pid in self.unsealed:
+            raise RuntimeError(
+                f"fork of {source.name}: its /tmp's frozen layer is not read-only "
+                f"({self.unsealed[source.pid]}): it is not forked again"
+            )
         why = self.off or _why_not_for(source, tree)
         if not why:
             try:
@@ -54,10 +62,10 @@ class TmpLayers:
                     self.helper = LayerHelper()
                 layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
                 pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
-                fd, _depth = self.helper.freeze(
+                fd, _depth, token = self.helper.freeze(
                     pidfd, layer, self.isolation.layer_bytes(), TREE_TMP_VIEW
                 )
-                return fd
+                return fd, token
             except (OSError, RuntimeError) as exc:
                 why = str(exc)
                 if self.helper is not None and self.helper.broken:
@@ -66,6 +74,16 @@ class TmpLayers:
             self.said.add(why)
             log.debug("gym_fork: %s's clones copy its /tmp writes: %s", source.name, why)
         return None
+
+    def seal(self, source: WorkerHandle, token: int, drop: bool = False) -> str:
+        """Make ``source``'s layer frozen under ``token`` read-only, once it has reopened
+        its files ("", else why not: the source is then never forked again); ``drop``:
+        its FORK failed before, only let go of the layer."""
+        why = "the layer helper has ended" if self.helper is None else ""
+        why = why or self.helper.seal(token, drop=drop)  # type: ignore[union-attr]
+        if why and not drop:
+            self.unsealed[source.pid] = why
+        return why
 
     def close(self) -> None:
         """End the helper, if one was started."""

@@ -250,6 +250,24 @@ class CloneFds(Message):
 
 
 @dataclass(frozen=True)
+class LayerAdopted(Message):
+    """Worker: it keeps the new /tmp layer that came with the CloneFds and has reopened
+    its /tmp files on it: its frozen layer may be sealed (made read-only)."""
+
+    OP = "layer-adopted"
+
+
+@dataclass(frozen=True)
+class LayerSealed(Message):
+    """Controller: the frozen layer is read-only (``sealed``), or why not (the FORK
+    then fails: its clones would share a layer that can still be written)."""
+
+    OP = "layer-sealed"
+    sealed: bool
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class ClonesForked(Message):
     """Worker: its clones' pids, a pidfd of each that lives."""
 

@@ -124,6 +124,9 @@ def _runs_without(fds: list[int], keep: tuple[int, ...]) -> tuple[tuple[int, int
     return tuple(runs)
 
 
+SEAL_TIMEOUT_S = 10.0  # the controller's layer helper makes a tmpfs read-only: milliseconds
+
+
 def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[str, list[str]]:
     """Serve a FORK: ``arg["clones"]`` lists ``[source_index, branch_index, seed,
     name]``; the fds (``FDS_PER_SANDBOX`` per clone, its own slab first, then its
@@ -135,7 +138,17 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     handed, fds = M.receive(worker.sock, M.CloneFds)
     try:
         if handed.frozen_layer:  # its /tmp writes are a shared layer now: keep the new one
-            adopt_frozen_layer(fds.pop())
+            failed: OSError | None = None
+            try:
+                adopt_frozen_layer(fds.pop())
+            except OSError as exc:
+                failed = exc
+            M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
+            sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
+            if failed is not None:
+                raise failed
+            if not sealed.sealed:
+                raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {sealed.why}")
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
