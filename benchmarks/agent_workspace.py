@@ -9,10 +9,13 @@ by the warm parent before any sandbox exists ("parent": ``from_parent``'s warmup
 layer is every sandbox's shared lower layer). Then:
 
   fork       ``fork(indices=[0], copies=k)`` of the running source + one step of every
-             copy ("ls"): the time to the branches' first step, the fork call alone, and
-             the freeze of the source's /tmp writes into a shared layer (the source
-             waits that long: gym_fork/system/frozen_layers.py; the first fork only, the
-             later ones of the same source find nothing new to freeze)
+             copy ("ls"), the source writing a note before each fork (as an agent does
+             between branch points: every fork freezes): the time to the branches'
+             first step, the fork call alone, the layer helper's freeze of the source's
+             /tmp writes into a shared layer (gym_fork/system/frozen_layers.py), and the
+             swap as the source lives it (the freeze asked, its files reopened on the
+             new layer, the frozen one sealed: the controller's clock; the first swap of
+             a host, which also waits for the helper to start, apart)
   copy fork  the same with ``GYM_FORK_TMP_LAYERS=0``: each clone copies the source's
              /tmp writes (what a fork did before frozen layers)
   cp -a      what a user does without a fork: k fresh sandboxes (clones of the warm
@@ -140,8 +143,8 @@ def one(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
         )
         try:
             envs.reset(seed=0, options={"fill": workspace} if where == "sandbox" else None)
-            envs.step(("write notes.txt hello",))
             for r in range(3 if contender == "vm fork" else REPEATS[copies]):
+                envs.step((f"write notes.txt {r}",))  # what an agent does between forks
                 t0 = time.perf_counter()
                 branch = envs.fork(f"b{r}", indices=[0], copies=copies)
                 t1 = time.perf_counter()
@@ -150,9 +153,14 @@ def one(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
                 branch.close()
                 times["fork_s"].append(t1 - t0)
                 times["first_step_s"].append(t2 - t0)
-            helper = getattr(getattr(envs.sandboxes.host, "tmp_layers", None), "helper", None)
-            if helper is not None and helper.freeze_ms:  # the source waited that long
+            layers = getattr(envs.sandboxes.host, "tmp_layers", None)
+            helper = getattr(layers, "helper", None)
+            if helper is not None and helper.freeze_ms:  # the helper's own time
                 times["freeze_s"] = [ms / 1e3 for ms in helper.freeze_ms]
+            swaps = getattr(layers, "swap_ms", [])
+            if len(swaps) > 1:  # the source's wait; the first also waits for the helper's start
+                times["swap_s"] = [ms / 1e3 for ms in swaps[1:]]
+                times["first_swap_s"] = [swaps[0] / 1e3]
         finally:
             envs.close()
     else:
@@ -204,6 +212,9 @@ def main() -> None:
     parser.add_argument("--microvm", action="store_true", help="also fork on host='microvm'")
     parser.add_argument("--vm-mb", type=int, default=50, help="the guest's workspace, MB")
     parser.add_argument("--vm-files", type=int, default=2_500)
+    parser.add_argument(
+        "--contenders", help="only these, comma-separated (fork,copy fork,cp -a)", default=""
+    )
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -214,7 +225,10 @@ def main() -> None:
     loads = []
     for r in range(args.rounds):
         before = load()
+        wanted = set(filter(None, args.contenders.split(",")))
         for contender, copies, where in MATRIX:
+            if wanted and contender not in wanted:
+                continue
             key = f"{contender} x{copies} {where}"
             runs.setdefault(key, []).append(
                 run_child(contender, copies, where, args.mb, args.files)
@@ -239,7 +253,7 @@ def main() -> None:
         print(f"microVM rows: {args.vm_mb} MB in {args.vm_files} files in the guest")
     print(
         f"{'contender':<22} {'first step (ms)':>24} {'fork call (ms)':>22} {'branches/s':>11}"
-        f" {'freeze (ms)':>12}"
+        f" {'freeze (ms)':>12} {'swap (ms)':>10} {'1st swap':>9}"
     )
     for key, row in table.items():
         first = row["first_step_s"]
@@ -252,7 +266,13 @@ def main() -> None:
         )
         freeze = row.get("freeze_s")
         zcell = "" if freeze is None else f"{freeze['median'] * 1e3:.2f}"
-        print(f"{key:<22} {cell:>24} {fcell:>22} {row['branches_per_s']:>11.0f} {zcell:>12}")
+        swap, first_swap = row.get("swap_s"), row.get("first_swap_s")
+        scell = "" if swap is None else f"{swap['median'] * 1e3:.2f}"
+        s1cell = "" if first_swap is None else f"{first_swap['median'] * 1e3:.1f}"
+        print(
+            f"{key:<22} {cell:>24} {fcell:>22} {row['branches_per_s']:>11.0f} {zcell:>12}"
+            f" {scell:>10} {s1cell:>9}"
+        )
     print("anchors (published, their conditions):")
     for name, claim in ANCHORS:
         print(f"  {name}: {claim}")

@@ -71,6 +71,7 @@ MAX_LAYERS = 32
 # this, the clones copy instead (a freeze stays well inside the helper's deadline).
 MAX_TOP_ENTRIES = 20_000
 _TMPFS_MAGIC = 0x01021994
+_PIDFD_GET_INFO, _PIDFD_INFO_PID = 0xC040FF0B, 1  # _IOWR(0xFF, 11, struct pidfd_info)
 _SYS_PIDFD_GETFD, _SYS_FSPICK, _SYS_FSCONFIG = 438, 433, 431
 _FSPICK_CLOEXEC, _FSPICK_EMPTY_PATH = 0x1, 0x8
 _FSCONFIG_SET_FLAG, _FSCONFIG_CMD_RECONFIGURE = 0, 7
@@ -115,6 +116,16 @@ def _their_fd(pidfd: int, number: int) -> int:
 
 
 def _pid_of(pidfd: int) -> int:
+    """The pid (in our pid namespace) of the process ``pidfd`` holds: one ioctl
+    (PIDFD_GET_INFO, Linux 6.13+), else its fdinfo (~0.1 ms)."""
+    info = (ctypes.c_uint64 * 8)()  # struct pidfd_info, version 0: 64 bytes
+    info[0] = _PIDFD_INFO_PID
+    if _libc.ioctl(pidfd, _PIDFD_GET_INFO, info) == 0 and info[0] & _PIDFD_INFO_PID:
+        pid = info[2] & 0xFFFFFFFF  # __u32 pid follows the mask and the cgroup id
+        if pid > 0:
+            return pid
+    elif ctypes.get_errno() == errno.ESRCH:
+        raise FreezeRefused("its process is gone")
     with open(f"/proc/self/fdinfo/{pidfd}") as f:
         for line in f:
             if line.startswith("Pid:"):
@@ -137,10 +148,11 @@ def _mount_id(path_or_fd: str | int) -> int:
     return -1
 
 
-def _check_layer(layer: int, pid: int) -> bool:
+def _check_layer(layer: int, pid: int) -> tuple[bool, int]:
     """``layer`` must be a directory of a tmpfs mounted nowhere in the source's
-    namespace (detached: its private layer). Returns whether that namespace has the
-    index of slots mounted already."""
+    namespace (detached: its private layer). Returns, from the same read of that
+    namespace's mount table: whether the index of slots is mounted there, and how many
+    of its slots hold a layer (from 0 on: the depth)."""
     if not stat.S_ISDIR(os.fstat(layer).st_mode):
         raise FreezeRefused("its layer fd is not a directory")
     buf = (ctypes.c_long * 16)()  # struct statfs: f_type first
@@ -150,7 +162,26 @@ def _check_layer(layer: int, pid: int) -> bool:
         table = b"\n" + f.read()  # one read, searched as bytes: ~50 us, not ~0.5 ms of lines
     if b"\n%d " % _mount_id(layer) in table:
         raise FreezeRefused("its layer fd is on a mounted file system, not its layer")
-    return f" {LAYERS_DIR} ".encode() in table
+    points = _mount_points_under(table, LAYERS_DIR.encode())
+    depth = 0
+    while depth < MAX_LAYERS and f"{LAYERS_DIR}/{depth}".encode() in points:
+        depth += 1
+    return LAYERS_DIR.encode() in points, depth
+
+
+def _mount_points_under(table: bytes, top: bytes) -> set[bytes]:
+    """The mount points (mountinfo's fifth field) at ``top`` or below it, from the
+    lines that name it (a few: the search is a bytes scan, not a parse of every line)."""
+    points = set()
+    start = table.find(b" " + top)
+    while start >= 0:
+        line_start = table.rfind(b"\n", 0, start) + 1
+        line_end = table.find(b"\n", start)
+        fields = table[line_start : line_end if line_end >= 0 else None].split(b" ")
+        if len(fields) > 4 and (fields[4] == top or fields[4].startswith(top + b"/")):
+            points.add(fields[4])
+        start = table.find(b" " + top, line_end) if line_end >= 0 else -1
+    return points
 
 
 def _shares_a_tmp_file(pid: int) -> bool:
@@ -204,7 +235,7 @@ def _check_is_its_tmp(upper: int, owner: os.stat_result) -> None:
         os.close(tmp)
 
 
-def _new_index(size_bytes: int = 1 << 20) -> int:
+def _make_index(size_bytes: int = 1 << 20) -> int:
     """A detached, read-only tmpfs of MAX_LAYERS empty slots: mounted at LAYERS_DIR
     once per lineage (its clones' namespaces are copies)."""
     index = ns.new_tmpfs(size_bytes)
@@ -219,7 +250,7 @@ def _new_index(size_bytes: int = 1 << 20) -> int:
     return index
 
 
-def _new_upper(size_bytes: int) -> int:
+def _make_upper(size_bytes: int) -> int:
     upper = ns.new_tmpfs(size_bytes)
     try:
         os.mkdir("upper", 0o1777, dir_fd=upper)
@@ -229,6 +260,28 @@ def _new_upper(size_bytes: int) -> int:
         os.close(upper)
         raise
     return upper
+
+
+_spares: dict[object, int] = {}  # ("upper", size) or "index" -> a detached tmpfs's fd
+
+
+def make_spares(size_bytes: int) -> None:
+    """Make, while no source waits, the new tmpfs the next freeze needs (an upper layer
+    of ``size_bytes``, an index of slots): ~0.2 ms less for the source to wait."""
+    if ("upper", size_bytes) not in _spares:
+        _spares[("upper", size_bytes)] = _make_upper(size_bytes)
+    if "index" not in _spares:
+        _spares["index"] = _make_index()
+
+
+def _new_upper(size_bytes: int) -> int:
+    spare = _spares.pop(("upper", size_bytes), -1)
+    return spare if spare >= 0 else _make_upper(size_bytes)
+
+
+def _new_index() -> int:
+    spare = _spares.pop("index", -1)
+    return spare if spare >= 0 else _make_index()
 
 
 @contextlib.contextmanager
@@ -252,14 +305,18 @@ def _move_entries(names: list[str], src: int, dst: int) -> list[str]:
     return moved
 
 
-def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[int, int, int]:
+def freeze(
+    pidfd: int, layer_number: int, size_bytes: int, base: str
+) -> tuple[int, int, int | None]:
     """Run by the layer helper (root, single-threaded): freeze the writes of the sandbox
     ``pidfd`` (its private layer is its fd ``layer_number``) into a read-only layer,
     cover its /tmp with a new overlay over that layer, its earlier ones and ``base``
     (the tree's /tmp view), with a new empty upper of at most ``size_bytes``. Returns
     (an fd of that new layer's tmpfs, for the source to keep; the depth now; an fd of the
-    frozen layer's tmpfs, to :func:`seal` once the source has reopened its files). Raises
-    FreezeRefused, leaving the source as it was (nothing to freeze included).
+    frozen layer's tmpfs, to :func:`seal` once the source has reopened its files, or None
+    where it is sealed already: no file of it was open for writing, the usual case, which
+    spares the source a round trip). Raises FreezeRefused, leaving the source as it was
+    (nothing to freeze included).
 
     Everything under /proc is read before entering the source's namespace (its /proc
     is its tree's pid namespace's, where this process has no /proc/self)."""
@@ -272,7 +329,9 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
     frozen_name = ""
     owner = os.stat_result((0,) * 10)
     try:
-        indexed = _check_layer(layer, pid)
+        indexed, depth = _check_layer(layer, pid)
+        if depth >= MAX_LAYERS:
+            raise FreezeRefused(f"{MAX_LAYERS} layers deep already")
         if _shares_a_tmp_file(pid):
             raise FreezeRefused("it maps a /tmp file shared (MAP_SHARED)")
         endpoint = _keeps_a_tmp_endpoint(pid)
@@ -312,14 +371,14 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
             if not os.path.isdir(LAYERS_DIR) or os.path.islink(LAYERS_DIR):
                 raise FreezeRefused(f"the tree's /dev has no {LAYERS_DIR}")
             ns.attach_mount(opened.pop(), LAYERS_DIR)
-        depth = len(layer_paths())
-        if depth >= MAX_LAYERS:
-            raise FreezeRefused(f"{MAX_LAYERS} layers deep already")
         slot = f"{LAYERS_DIR}/{depth}"
+        if os.path.ismount(slot):  # the table read before entering said it was free
+            raise FreezeRefused(f"{slot} is taken in its namespace")
         opened.remove(bind)
         ns.attach_mount(bind, slot)
         try:
-            lower = ":".join([slot, *layer_paths()[1:], base])
+            earlier = [f"{LAYERS_DIR}/{d}" for d in range(depth - 1, -1, -1)]
+            lower = ":".join([slot, *earlier, base])
             with _as_owner(owner):
                 moved = _move_entries(names, upper, frozen)
             try:
@@ -340,8 +399,12 @@ def freeze(pidfd: int, layer_number: int, size_bytes: int, base: str) -> tuple[i
             raise
         frozen_name = ""
         opened.remove(new)
-        opened.remove(layer)
-        return new, depth + 1, layer
+        try:
+            seal(layer)  # new opens go through the new /tmp: only old writers can block it
+        except FreezeRefused:  # a file open for writing: sealed once the source reopened it
+            opened.remove(layer)
+            return new, depth + 1, layer
+        return new, depth + 1, None
     finally:
         if frozen_name:  # not frozen: its empty directory goes
             with contextlib.suppress(OSError), _as_owner(owner):

@@ -11,13 +11,16 @@ controller's death: EOF), and is killed past a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the helper imports as little as it can: it starts at a first fork
+    from typing import Any
 
 _MAX_REQUEST = 4096
 ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
@@ -26,11 +29,14 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 class LayerHelper:
     """The controller's end: :meth:`freeze` asks, ``close`` ends the helper."""
 
-    def __init__(self) -> None:
+    def __init__(self, size_bytes: int) -> None:
+        """``size_bytes``: the upper layers' size (the helper makes the next one ahead)."""
+        import subprocess
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-S", "-E", __file__, str(theirs.fileno())],
+                [sys.executable, "-S", "-E", __file__, str(theirs.fileno()), str(size_bytes)],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # not in the controller's terminal's signals
@@ -45,12 +51,15 @@ class LayerHelper:
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
 
-    def freeze(self, pidfd: int, layer_fd: int, size_bytes: int, base: str) -> tuple[int, int, int]:
+    def freeze(
+        self, pidfd: int, layer_fd: int, size_bytes: int, base: str
+    ) -> tuple[int, int, int | None]:
         """Freeze the /tmp writes of the sandbox ``pidfd``: (its new upper layer's fd, to
         hand to it; its depth now; the token to :meth:`seal` the frozen layer with once
-        it has reopened its files). Raises RuntimeError with the helper's reason when it
-        did not (the source is then as it was); a helper that does not answer in time is
-        killed, and every later call raises."""
+        it has reopened its files, or None where the helper sealed it already). Raises
+        RuntimeError with the helper's reason when it did not (the source is then as it
+        was); a helper that does not answer in time is killed, and every later call
+        raises."""
         request = {"op": "freeze", "layer_fd": layer_fd, "size": size_bytes, "base": base}
         answer, fds = self._ask(request, [pidfd])
         if not answer.get("frozen") or len(fds) != 1:
@@ -60,7 +69,8 @@ class LayerHelper:
         took = answer.get("ms")
         if isinstance(took, float):
             self.freeze_ms = [*self.freeze_ms[-999:], took]
-        return fds[0], int(answer["depth"]), int(answer["token"])
+        token = answer.get("token")
+        return fds[0], int(answer["depth"]), None if token is None else int(token)
 
     def seal(self, token: int, drop: bool = False) -> str:
         """Make the layer frozen under ``token`` read-only ("" once it is, else why not);
@@ -90,6 +100,8 @@ class LayerHelper:
 
     def close(self) -> None:
         """End the helper (EOF on its socket), killed if it takes more than a second."""
+        import subprocess
+
         self.sock.close()
         try:
             self.process.wait(timeout=1.0)
@@ -98,11 +110,14 @@ class LayerHelper:
             self.process.wait()
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, size_bytes: int) -> None:
     """The helper's loop: one freeze or seal per request, until EOF. A frozen layer's fd
-    waits here for its seal (or its drop)."""
+    waits here for its seal (or its drop). The new tmpfs a freeze needs are made while
+    no source waits: before the first request, and after each answer."""
     import frozen_layers  # type: ignore[import-not-found]  # sys.path[0]: this file's folder
 
+    with contextlib.suppress(OSError):
+        frozen_layers.make_spares(size_bytes)
     pending: dict[int, int] = {}  # token -> the frozen layer's fd
     tokens = iter(range(1, 1 << 62))
     while True:
@@ -130,9 +145,10 @@ def serve(sock: socket.socket) -> None:
                 new, depth, layer = frozen_layers.freeze(
                     fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
                 )
-                token = next(tokens)
-                pending[token] = layer
-                answer = {"frozen": True, "depth": depth, "token": token}
+                answer = {"frozen": True, "depth": depth, "token": None}
+                if layer is not None:  # sealed once the source has reopened its files
+                    answer["token"] = token = next(tokens)
+                    pending[token] = layer
         except frozen_layers.FreezeRefused as exc:
             answer["why"] = str(exc)
         except Exception as exc:  # told to the controller, which copies instead
@@ -144,7 +160,9 @@ def serve(sock: socket.socket) -> None:
         socket.send_fds(sock, [json.dumps(answer).encode()], [new] if new >= 0 else [])
         if new >= 0:
             os.close(new)
+        with contextlib.suppress(OSError):  # a freeze that needs one makes it, or says why
+            frozen_layers.make_spares(size_bytes)
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))

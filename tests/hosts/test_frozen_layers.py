@@ -406,3 +406,39 @@ def test_a_branch_cannot_have_its_sources_live_layer_frozen():
             first.close()
     finally:
         envs.close()
+
+
+def test_the_helper_seals_at_once_unless_a_file_of_the_layer_is_open_for_writing(monkeypatch):
+    """The usual workspace (no file of it held open for writing) is sealed by the layer
+    helper within the freeze: no LayerAdopted / LayerSealed round trip. A source holding
+    a log open seals only once it has reopened it, and both keep their promises."""
+    envs = workspace_env()
+    try:
+        layers = envs.sandboxes.host.tmp_layers
+        late: list[int] = []
+        seal = layers.seal
+
+        def counting_seal(source, token, drop=False):
+            late.append(token)
+            return seal(source, token, drop=drop)
+
+        monkeypatch.setattr(layers, "seal", counting_seal)
+        branches = [envs.fork("a")]
+        try:
+            assert late == [] and len(layers.swap_ms) == 1
+            envs.call("hold_log")
+            branches.append(envs.fork("b"))
+            first, second = branches
+            assert len(late) == 1 and len(layers.swap_ms) == 2
+            assert envs.call("layers")[0] == 2
+            envs.call("log", "source after\n")
+            second.call("log", "branch after\n")
+            assert envs.call("read", "/tmp/ws/held.log")[0] == "before\nsource after\n"
+            assert second.call("read", "/tmp/ws/held.log")[0] == "before\nbranch after\n"
+            assert first.call("read", "/tmp/ws/held.log")[0] is None
+            assert first.call("read", "/tmp/ws/f3.txt")[0] == "file 3\n"
+        finally:
+            for branch in branches:
+                branch.close()
+    finally:
+        envs.close()

@@ -77,7 +77,10 @@ def _start_fork(
     try:
         frozen = host.tmp_layers.freeze(source, host.tree_isolation)
         try:
-            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, bool(frozen))
+            sealed = frozen is not None and frozen[1] is None
+            handed = M.CloneFds(
+                len(orders), groups.controllers, groups.errors, bool(frozen), sealed
+            )
             M.send(link.sock, handed, fds if frozen is None else [*fds, frozen[0]])
         finally:
             groups.close_fds()  # the source has its copies
@@ -86,7 +89,7 @@ def _start_fork(
         arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
         waiting = job.ask_later(P.FORK, arg)
     except BaseException:
-        if frozen is not None:
+        if frozen is not None and frozen[1] is not None:
             host.tmp_layers.seal(source, frozen[1], drop=True)
         for end in ends:
             end.handed_over()
@@ -95,7 +98,7 @@ def _start_fork(
         raise
 
     def exchange() -> tuple[list[int], list[ProcessWatch]]:
-        if frozen is not None:
+        if frozen is not None and frozen[1] is not None:
             _seal_when_adopted(host, source, link, frozen[1], what)
         pids = waiting()
         if isinstance(pids, dict):  # refused: it would share memory with its clones

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from gym_fork import knobs
@@ -33,6 +34,12 @@ class TmpLayers:
         self.off = self._why_off()
         self.said: set[str] = set()
         self.unsealed: dict[int, str] = {}  # pid -> why its frozen layer is not read-only
+        self.started: dict[int, float] = {}  # token -> when its freeze was asked
+        # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
+        # it): from asking the freeze to the frozen layer sealed; where the helper
+        # sealed it at once (no file of it open for writing), the source's reopening of
+        # its files follows unseen (~0.1 ms: benchmarks/agent_workspace.py).
+        self.swap_ms: list[float] = []
 
     def _why_off(self) -> str:
         if knobs.read("GYM_FORK_TMP_LAYERS") == "0":
@@ -45,10 +52,11 @@ class TmpLayers:
             return "sandboxes write a host directory (their clones get no namespaces)"
         return ""
 
-    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> tuple[int, int] | None:
+    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> tuple[int, int | None] | None:
         """Freeze ``source``'s /tmp writes before its FORK: (the fd of its new upper layer,
-        to send with the clones' fds; the token to :meth:`seal` with), or None (its clones
-        copy them). Raises RuntimeError for a source whose frozen layer could not be
+        to send with the clones' fds; the token to :meth:`seal` with once it has reopened
+        its files, or None where the helper sealed the frozen layer already), or None
+        (its clones copy them). Raises RuntimeError for a source whose frozen layer could not be
         sealed before: no clone may stand on a layer that can still be written."""
         if source.pid in self.unsealed:
             raise RuntimeError(
@@ -57,14 +65,19 @@ class TmpLayers:
             )
         why = self.off or _why_not_for(source, tree)
         if not why:
+            asked = time.perf_counter()
             try:
                 if self.helper is None:
-                    self.helper = LayerHelper()
+                    self.helper = LayerHelper(self.isolation.layer_bytes())
                 layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
                 pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
                 fd, _depth, token = self.helper.freeze(
                     pidfd, layer, self.isolation.layer_bytes(), TREE_TMP_VIEW
                 )
+                if token is None:
+                    self._swapped(asked)
+                else:
+                    self.started[token] = asked
                 return fd, token
             except (OSError, RuntimeError) as exc:
                 why = str(exc)
@@ -81,9 +94,15 @@ class TmpLayers:
         its FORK failed before, only let go of the layer."""
         why = "the layer helper has ended" if self.helper is None else ""
         why = why or self.helper.seal(token, drop=drop)  # type: ignore[union-attr]
+        asked = self.started.pop(token, None)
         if why and not drop:
             self.unsealed[source.pid] = why
+        elif not why and not drop and asked is not None:
+            self._swapped(asked)
         return why
+
+    def _swapped(self, asked: float) -> None:
+        self.swap_ms = [*self.swap_ms[-999:], (time.perf_counter() - asked) * 1e3]
 
     def close(self) -> None:
         """End the helper, if one was started."""

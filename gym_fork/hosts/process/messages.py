@@ -234,13 +234,16 @@ class CloneFds(Message):
     gym_fork/system/cgroups.py); ``cgroup_errors``: controller -> why a clone has no
     group of its own under it. ``frozen_layer``: one more fd comes last, the source's
     new /tmp layer (the layer helper has just frozen its writes:
-    gym_fork/system/frozen_layers.py)."""
+    gym_fork/system/frozen_layers.py); ``layer_sealed``: the frozen layer is read-only
+    already (no file of it was open for writing), so no LayerAdopted / LayerSealed
+    exchange follows."""
 
     OP = "clone-fds"
     clones: int
     cgroups: list[list[str]] = field(default_factory=list)
     cgroup_errors: dict[str, str] = field(default_factory=dict)
     frozen_layer: bool = False
+    layer_sealed: bool = False
 
     def fds_per_clone(self) -> int:
         return FDS_PER_SANDBOX + len(self.cgroups)

@@ -143,12 +143,15 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
                 adopt_frozen_layer(fds.pop())
             except OSError as exc:
                 failed = exc
-            M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
-            sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
+            why = ""
+            if not handed.layer_sealed:  # a file of it was open for writing: sealed now
+                M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
+                sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
+                why = "" if sealed.sealed else sealed.why
             if failed is not None:
                 raise failed
-            if not sealed.sealed:
-                raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {sealed.why}")
+            if why:
+                raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
