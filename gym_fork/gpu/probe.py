@@ -65,16 +65,25 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# Why NVML's library could not be loaded, once found (a driver installed meanwhile is
+# seen by the next process).
+_LIBRARY_MISSING = ""
+
+
 def _missing_library() -> str:
     """Why NVML cannot load here ("" if it may): without its library, importing pynvml
     (~15 ms of class building, every vector env's construction) buys nothing. Where
     pynvml is imported already (or is a test's stand-in) it is asked instead."""
+    global _LIBRARY_MISSING
     if "pynvml" in sys.modules or not sys.platform.startswith("linux"):
         return ""
+    if _LIBRARY_MISSING:  # a failed dlopen searches every library path: ~0.1 ms a fork
+        return _LIBRARY_MISSING
     try:
         ctypes.CDLL(_NVML_LIBRARY)  # what pynvml loads next (and finds loaded)
     except OSError as exc:
-        return f"NVML unavailable: {_NVML_LIBRARY} cannot be loaded ({exc})"
+        _LIBRARY_MISSING = f"NVML unavailable: {_NVML_LIBRARY} cannot be loaded ({exc})"
+        return _LIBRARY_MISSING
     return ""
 
 

@@ -148,16 +148,19 @@ def _mount_id(path_or_fd: str | int) -> int:
     return -1
 
 
-def _check_layer(layer: int, pid: int) -> tuple[bool, int]:
-    """``layer`` must be a directory of a tmpfs mounted nowhere in the source's
-    namespace (detached: its private layer). Returns, from the same read of that
-    namespace's mount table: whether the index of slots is mounted there, and how many
-    of its slots hold a layer (from 0 on: the depth)."""
+def _check_is_tmpfs_directory(layer: int) -> None:
     if not stat.S_ISDIR(os.fstat(layer).st_mode):
         raise FreezeRefused("its layer fd is not a directory")
     buf = (ctypes.c_long * 16)()  # struct statfs: f_type first
     if _libc.fstatfs(layer, buf) != 0 or buf[0] != _TMPFS_MAGIC:
         raise FreezeRefused("its layer fd is not on a tmpfs")
+
+
+def _check_layer(layer: int, pid: int) -> tuple[bool, int]:
+    """``layer`` (a tmpfs directory) must be mounted nowhere in the source's namespace
+    (detached: its private layer). Returns, from the same read of that namespace's
+    mount table: whether the index of slots is mounted there, and how many of its slots
+    hold a layer (from 0 on: the depth)."""
     with open(f"/proc/{pid}/mountinfo", "rb") as f:
         table = b"\n" + f.read()  # one read, searched as bytes: ~50 us, not ~0.5 ms of lines
     if b"\n%d " % _mount_id(layer) in table:
@@ -329,6 +332,17 @@ def freeze(
     frozen_name = ""
     owner = os.stat_result((0,) * 10)
     try:
+        _check_is_tmpfs_directory(layer)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        upper = os.open("upper", flags, dir_fd=layer)
+        opened.append(upper)
+        names = os.listdir(upper)
+        if not names:  # a fork that wrote nothing since the last: ~0.1 ms, no /proc read
+            raise FreezeRefused("nothing to freeze")
+        if len(names) > MAX_TOP_ENTRIES:
+            raise FreezeRefused(
+                f"{len(names)} entries at the top of its /tmp (a freeze renames each)"
+            )
         indexed, depth = _check_layer(layer, pid)
         if depth >= MAX_LAYERS:
             raise FreezeRefused(f"{MAX_LAYERS} layers deep already")
@@ -337,16 +351,6 @@ def freeze(
         endpoint = _keeps_a_tmp_endpoint(pid)
         if endpoint:
             raise FreezeRefused(endpoint)
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        upper = os.open("upper", flags, dir_fd=layer)
-        opened.append(upper)
-        names = os.listdir(upper)
-        if not names:
-            raise FreezeRefused("nothing to freeze")
-        if len(names) > MAX_TOP_ENTRIES:
-            raise FreezeRefused(
-                f"{len(names)} entries at the top of its /tmp (a freeze renames each)"
-            )
         owner = os.fstat(upper)
         frozen_name = f"frozen-{os.urandom(6).hex()}"  # in the layer's root: not in /tmp
         with _as_owner(owner):

@@ -399,21 +399,25 @@ class ForkVectorEnv(Reports, Results, BatchMode, VectorEnv):  # type: ignore[mis
         )
         opened, elapsed = clone_sandboxes(source, plan, shared_memory)
         branch = ForkVectorEnv.__new__(ForkVectorEnv)
-        branch._open(
-            opened,
-            lambda env: provenance.add_branch(
+        measured: list[dict[str, Any]] = []  # the branch's isolation, measured once
+
+        def record(env: ForkVectorEnv) -> Lineage:
+            measured.append(env.isolation)
+            return provenance.add_branch(
                 self.lineage,
                 plan.branch_id,
                 indices=plan.indices,
                 copies=plan.copies,
                 seeds=plan.seeds,
                 elapsed=elapsed,
-                isolation=env.isolation,
+                isolation=measured[0],
                 workers=opened.sandboxes.pool.workers,
-            ),
-        )
-        branch._enforce_isolation(branch.isolation)
-        provenance.warn_branch_lost_isolation(self.isolation, branch.isolation, plan.branch_id)
+            )
+
+        branch._open(opened, record)
+        isolation = measured[0] if measured else branch.isolation
+        branch._enforce_isolation(isolation)
+        provenance.warn_branch_lost_isolation(self.isolation, isolation, plan.branch_id)
         warn_shared_with_source(opened.sandboxes.pool.workers, plan.branch_id)
         return branch
 
