@@ -375,12 +375,10 @@ class ForkVectorEnv(Reports, Results, BatchMode, VectorEnv):  # type: ignore[mis
         mode the forked sub-envs must be free (others may be running a ``send``), and the
         branch is in batch mode too.
 
-        A fork does not copy an env's MAP_SHARED memory (``mmap.mmap(-1, n)``,
-        multiprocessing's RawArray and Value): a branch keeps sharing it with its source,
-        and its writes change the source's trajectory. ``shared_memory="warn"`` (the
-        default) forks and warns (the branch's ``isolation["missing"]
-        ["shared_with_source"]`` names what is shared); ``"refuse"`` raises
-        ForkUnsafeError, naming it, before any clone is made.
+        An env's MAP_SHARED memory (``mmap.mmap(-1, n)``, RawArray, Value) is not copied:
+        a branch shares it with its source. ``shared_memory="warn"`` (default) forks and
+        warns (``isolation["missing"]["shared_with_source"]`` names it); ``"refuse"``
+        raises ForkUnsafeError, naming it, before any clone is made.
         """
         check_shared_memory_policy(shared_memory)
         batches = self._batches
@@ -414,10 +412,9 @@ class ForkVectorEnv(Reports, Results, BatchMode, VectorEnv):  # type: ignore[mis
                 workers=opened.sandboxes.pool.workers,
             )
 
-        branch._open(opened, record)
-        isolation = measured[0] if measured else branch.isolation
-        branch._enforce_isolation(isolation)
-        provenance.warn_branch_lost_isolation(self.isolation, isolation, plan.branch_id)
+        branch._open(opened, record)  # which calls record: measured[0] is there
+        branch._enforce_isolation(measured[0])
+        provenance.warn_branch_lost_isolation(self.isolation, measured[0], plan.branch_id)
         warn_shared_with_source(opened.sandboxes.pool.workers, plan.branch_id)
         return branch
 
