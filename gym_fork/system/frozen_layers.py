@@ -31,9 +31,11 @@ a detached tmpfs the source holds an fd of, and the upper layer of the /tmp the 
 layer, nor a tmpfs a sandbox made in a user namespace of its own); every path it touches
 is under that tmpfs through fds, the tree's view (no symlink), or a slot of the index it
 mounted itself (read-only to the sandbox); the frozen layer's file system is made
-read-only (sealed) once the source has reopened its files, before any clone runs, and a
-source whose layer cannot be sealed (a file of it still open for writing past /tmp's
-overlay) is not forked (gym_fork/hosts/process/layers.py); it never freezes a
+read-only (sealed) before any clone runs: at once, within the freeze, where no file of it
+is open for writing (new opens go through the new /tmp already), else once the source has
+reopened its files; a source whose layer cannot be sealed then (a file of it still open
+for writing past /tmp's overlay) is not forked (gym_fork/hosts/process/layers.py); the
+helper never freezes a
 sandbox that maps a /tmp file shared (the mapping would keep writing the frozen layer),
 has a unix socket bound or a fifo open under /tmp (a new overlay is a new inode for them:
 its own clients would lose it), or is MAX_LAYERS deep (the clone then copies what was
