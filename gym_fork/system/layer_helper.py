@@ -1,8 +1,10 @@
 """The layer helper: a root process of the controller's that freezes a source sandbox's
 /tmp writes before a FORK (gym_fork/system/frozen_layers.py says how and why).
 
-One per process host, started at its first freeze (``python -S`` on this file: ~20 ms,
-stdlib only), single-threaded (a thread cannot enter another mount namespace), talking
+One per process host, started at its first freeze: forked by the controller's zygote
+where one is ready (gym_fork/hosts/process/zygote.py: a millisecond or two), else
+``python -S`` on this file (stdlib only: ~30 ms before its first answer); single-threaded
+(a thread cannot enter another mount namespace), talking
 to the controller over a SOCK_SEQPACKET pair: a request is a JSON object and the
 source's pidfd; the answer a JSON object and, once frozen, the fd of the source's new
 upper layer. It ends when the controller's end closes (the host's close, or the
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the helper imports as little as it can: it starts at a first fork
     from typing import Any
 
+    from gym_fork.system.linux import ProcessWatch
+
 _MAX_REQUEST = 4096
 ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 
@@ -29,27 +33,42 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 class LayerHelper:
     """The controller's end: :meth:`freeze` asks, ``close`` ends the helper."""
 
-    def __init__(self, size_bytes: int) -> None:
-        """``size_bytes``: the upper layers' size (the helper makes the next one ahead)."""
+    def __init__(
+        self, size_bytes: int, forked: tuple[socket.socket, ProcessWatch] | None = None
+    ) -> None:
+        """``size_bytes``: the upper layers' size (the helper makes the next one ahead).
+        ``forked``: a helper a zygote forked already (our end of its socket, a watch of
+        it); without it a fresh interpreter is started."""
         import subprocess
 
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-S", "-E", __file__, str(theirs.fileno()), str(size_bytes)],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # not in the controller's terminal's signals
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.sock = ours
+        self.process: subprocess.Popen | None = None  # ours to reap, where we started it
+        self.watch: ProcessWatch | None = None  # a zygote's child: known by its pidfd
+        if forked is not None:
+            self.sock, self.watch = forked
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-S", "-E", __file__, str(theirs.fileno()), str(size_bytes)],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # not in the controller's terminal's signals
+                )
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
+
+    def alive(self) -> bool:
+        """Whether the helper process still runs."""
+        if self.process is not None:
+            return self.process.poll() is None
+        return self.watch is not None and self.watch.alive()
 
     def freeze(
         self, pidfd: int, layer_fd: int, size_bytes: int, base: str
@@ -103,18 +122,27 @@ class LayerHelper:
         import subprocess
 
         self.sock.close()
-        try:
-            self.process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        elif self.watch is not None:  # its zygote reaps it
+            if not self.watch.wait_dead(1.0):
+                self.watch.kill()
+                self.watch.wait_dead(1.0)
+            self.watch.close()
 
 
 def serve(sock: socket.socket, size_bytes: int) -> None:
     """The helper's loop: one freeze or seal per request, until EOF. A frozen layer's fd
     waits here for its seal (or its drop). The new tmpfs a freeze needs are made while
     no source waits: before the first request, and after each answer."""
-    import frozen_layers  # type: ignore[import-not-found]  # sys.path[0]: this file's folder
+    try:
+        from gym_fork.system import frozen_layers
+    except ImportError:  # run as a script (python -S): sys.path[0] is this file's folder
+        import frozen_layers  # type: ignore[import-not-found,no-redef]
 
     with contextlib.suppress(OSError):
         frozen_layers.make_spares(size_bytes)
@@ -142,13 +170,13 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
             else:
                 if len(fds) != 1:
                     raise frozen_layers.FreezeRefused("no pidfd came with the request")
-                new, depth, layer = frozen_layers.freeze(
+                new, depth, unsealed = frozen_layers.freeze(
                     fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
                 )
                 answer = {"frozen": True, "depth": depth, "token": None}
-                if layer is not None:  # sealed once the source has reopened its files
+                if unsealed is not None:  # sealed once the source has reopened its files
                     answer["token"] = token = next(tokens)
-                    pending[token] = layer
+                    pending[token] = unsealed
         except frozen_layers.FreezeRefused as exc:
             answer["why"] = str(exc)
         except Exception as exc:  # told to the controller, which copies instead

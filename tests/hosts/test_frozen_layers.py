@@ -7,13 +7,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
 from gym_fork import ForkVectorEnv
-from tests.helpers import why_no_frozen_layers
+from tests.helpers import alive, kill_marked, marked_processes, wait_until, why_no_frozen_layers
 
 WHY_OFF = why_no_frozen_layers()
 pytestmark = pytest.mark.skipif(bool(WHY_OFF), reason=f"no frozen layers here: {WHY_OFF}")
@@ -291,16 +293,61 @@ def test_a_source_cannot_point_the_layer_helper_at_another_directory(elsewhere):
         envs.close()
 
 
-def test_the_layer_helper_ends_with_its_host():
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_the_layer_helper_ends_with_its_host(monkeypatch, zygote):
+    """Forked by the controller's zygote where one is ready (ms), else a fresh
+    interpreter: either ends when its host closes."""
+    monkeypatch.setenv("GYM_FORK_ZYGOTE", zygote)
     envs = workspace_env()
     try:
         branch = envs.fork("b")
+        assert branch.call("read", "/tmp/ws/f1.txt")[0] == "file 1\n"
         branch.close()
         helper = envs.sandboxes.host.tmp_layers.helper
-        assert helper is not None and helper.process.poll() is None
+        assert helper is not None and helper.alive()
+        assert (helper.watch is not None) == (zygote == "1")  # a zygote's child
+        assert (helper.process is not None) == (zygote == "0")  # ours
     finally:
         envs.close()
-    assert helper.process.poll() is not None
+    assert not helper.alive()
+
+
+KILLED_CONTROLLER = """
+import time
+from tests.hosts.test_frozen_layers import workspace_env
+envs = workspace_env()
+envs.fork("b")
+helper = envs.sandboxes.host.tmp_layers.helper
+print(helper.watch.pid if helper.watch is not None else helper.process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow  # ~2 s here
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_the_layer_helper_does_not_outlive_a_sigkilled_controller(zygote):
+    """A zygote's child is no child of the controller's: EOF on its socket ends it."""
+    environ = {**os.environ, "GYM_FORK_ZYGOTE": zygote}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONTROLLER],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env=environ,
+    )
+    try:
+        helper = int(proc.stdout.readline())
+        assert alive({helper})
+        proc.kill()
+        proc.wait()
+        assert wait_until(lambda: not alive({helper}), 5.0)
+        assert wait_until(lambda: not marked_processes(proc.pid), 5.0)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        kill_marked(proc.pid)
 
 
 class KeepsItsLayer(Workspace):

@@ -17,6 +17,7 @@ from typing import Any
 
 from gym_fork import knobs
 from gym_fork.hosts.base import WorkerHandle
+from gym_fork.hosts.process import zygote
 from gym_fork.system import frozen_layers
 from gym_fork.system.host_view import TREE_TMP_VIEW
 from gym_fork.system.isolation import IsolationConfig
@@ -68,7 +69,8 @@ class TmpLayers:
             asked = time.perf_counter()
             try:
                 if self.helper is None:
-                    self.helper = LayerHelper(self.isolation.layer_bytes())
+                    size = self.isolation.layer_bytes()
+                    self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
                 layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
                 pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
                 fd, _depth, token = self.helper.freeze(

@@ -88,6 +88,25 @@ class WarmParentForked(Message):
 
 
 @dataclass(frozen=True)
+class ForkLayerHelper(Message):
+    """Controller: fork a layer helper (gym_fork/system/layer_helper.py) serving the
+    socket end that comes as the fd; ``size_bytes``: its new upper layers' size."""
+
+    FDS = 1
+    OP = "fork-layer-helper"
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerHelperForked(Message):
+    """Zygote: the layer helper ``pid`` (in the zygote's pid namespace); fd: its pidfd."""
+
+    OP = "layer-helper-forked"
+    pid: int
+    pidfds: list[bool] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Retire(Message):
     """Controller: fork nothing more; exit once the last warm parent has exited."""
 

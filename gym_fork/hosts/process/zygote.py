@@ -85,35 +85,58 @@ class Zygote:
         """A new warm parent, connected to the returned socket, and a watch of it (by
         the pidfd that came with the answer: it is not our child, and its pid could be
         reused once the zygote reaps it)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_fd, err_fd = _output_fds()
         try:
             with self._lock:
                 self.forked += 1
                 self._wait_ready(timeout)
-                assert self.sock is not None  # _wait_ready refuses a closed zygote
                 request = M.ForkWarmParent(environ, inherited_state())
-                M.send(self.sock, request, (theirs.fileno(), out_fd, err_fd))
-                reply, fds = M.receive_reply(
-                    self.sock, timeout, "zygote fork", M.WarmParentForked, M.Refused
-                )
+                return self._fork(request, (out_fd, err_fd), M.WarmParentForked, timeout)
+        finally:
+            for fd in (out_fd, err_fd):
+                os.close(fd)
+
+    def fork_layer_helper(
+        self, size_bytes: int, timeout: float
+    ) -> tuple[socket.socket, ProcessWatch]:
+        """A layer helper (gym_fork/system/layer_helper.py) serving the returned socket,
+        and a watch of it; only from a zygote that is ready (SandboxStartError else: a
+        fresh one is quicker than waiting for its imports)."""
+        with self._lock:
+            if not self.ready:
+                raise SandboxStartError("zygote fork: not ready")
+            return self._fork(M.ForkLayerHelper(size_bytes), (), M.LayerHelperForked, timeout)
+
+    def _fork(
+        self,
+        request: M.ForkWarmParent | M.ForkLayerHelper,
+        fds: tuple[int, ...],
+        answer: type[M.WarmParentForked] | type[M.LayerHelperForked],
+        timeout: float,
+        kind: int = socket.SOCK_STREAM,
+    ) -> tuple[socket.socket, ProcessWatch]:
+        """Ask for one fork (under the lock): its end of a new socket (of ``kind``)
+        goes first, then ``fds``; the answer's pidfd becomes the watch."""
+        if self.sock is None:
+            raise SandboxStartError("zygote fork: closed")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
+        try:
+            M.send(self.sock, request, (theirs.fileno(), *fds))
+            reply, got = M.receive_reply(self.sock, timeout, "zygote fork", answer, M.Refused)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-            for fd in (out_fd, err_fd):
-                os.close(fd)
         if isinstance(reply, M.Refused):
             ours.close()
             raise SandboxStartError(f"zygote fork: {reply.error}")
-        assert isinstance(reply, M.WarmParentForked)  # receive_reply gives only those asked
-        pids = pidfd_pids(fds[0]) if len(fds) == 1 else []
+        pids = pidfd_pids(got[0]) if len(got) == 1 else []
         if not pids or pids[-1] != reply.pid:
-            M.close_fds(fds)
+            M.close_fds(got)
             ours.close()
             raise SandboxStartError(f"zygote fork: not a pidfd of process {reply.pid}")
-        return ours, ProcessWatch(pids[0], fds[0])
+        return ours, ProcessWatch(pids[0], got[0])
 
     def retire(self) -> None:
         """Fork nothing more; exit once every warm parent it forked has exited (at once
@@ -183,6 +206,24 @@ def fork_warm_parent(
             if zygote is not None and _zygotes.get(key) is zygote:
                 _zygotes.pop(key).retire()
         return None
+
+
+def fork_layer_helper(
+    size_bytes: int, timeout: float = 5.0
+) -> tuple[socket.socket, ProcessWatch] | None:
+    """A layer helper forked from this controller's live, ready zygote (a millisecond or
+    two), or None where there is none (zygotes off, none started, still importing, or
+    failing): the caller then starts a fresh interpreter."""
+    if not enabled():
+        return None
+    with _registry_lock:
+        ready = [z for z in _zygotes.values() if z.alive() and z.ready]
+    for zygote in ready:
+        try:
+            return zygote.fork_layer_helper(size_bytes, timeout)
+        except (OSError, SandboxStartError):
+            return None
+    return None
 
 
 def start_warm_parent(

@@ -24,7 +24,7 @@ import gymnasium.envs.registration  # noqa: F401
 
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process import parent
-from gym_fork.system import children, confine, inherited, linux
+from gym_fork.system import children, confine, inherited, layer_helper, linux
 
 
 class ZygoteProcess:
@@ -60,7 +60,7 @@ class ZygoteProcess:
             if self.sock.fileno() not in readable:
                 continue
             try:
-                message, fds = M.receive(self.sock, M.ForkWarmParent, M.Retire)
+                message, fds = M.receive(self.sock, M.ForkWarmParent, M.ForkLayerHelper, M.Retire)
             except (EOFError, ConnectionError):  # a bad message too: the controller's bug
                 if not self.retired:
                     return
@@ -68,8 +68,10 @@ class ZygoteProcess:
                 continue
             if isinstance(message, M.Retire):
                 self.retired = True
-            elif self.retired or not isinstance(message, M.ForkWarmParent):
+            elif self.retired:
                 M.close_fds(fds)
+            elif isinstance(message, M.ForkLayerHelper):
+                self.fork_layer_helper(message, *fds)
             else:
                 self.fork(message, *fds)
 
@@ -86,6 +88,34 @@ class ZygoteProcess:
         M.close_fds([parent_end, out_fd, err_fd])
         self.children.add(pid)
         M.send_with_pidfds(self.sock, M.WarmParentForked(pid), [pid])
+
+    def fork_layer_helper(self, request: M.ForkLayerHelper, helper_end: int) -> None:
+        """A layer helper for one process host: a fork of this clean, single-threaded-
+        after-fork interpreter serving ``helper_end`` (milliseconds, where a fresh
+        ``python -S`` takes ~30 ms before its first freeze). It ends at EOF on its
+        socket: when the host closes, or the controller dies."""
+        try:
+            pid = children.fork()
+        except OSError as exc:
+            os.close(helper_end)
+            M.send(self.sock, M.Refused(f"zygote fork: {exc}"))
+            return
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()  # out of the controller's terminal's signals, as a Popen'd one
+                self.sock.close()
+                os.closerange(3, helper_end)
+                os.closerange(helper_end + 1, os.sysconf("SC_OPEN_MAX"))
+                layer_helper.serve(socket.socket(fileno=helper_end), request.size_bytes)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(helper_end)
+        self.children.add(pid)
+        M.send_with_pidfds(self.sock, M.LayerHelperForked(pid), [pid])
 
     def _become_warm_parent(
         self, zygote: int, request: M.ForkWarmParent, parent_end: int, out_fd: int, err_fd: int
