@@ -38,13 +38,15 @@ for writing past /tmp's overlay) is not forked (gym_fork/hosts/process/layers.py
 helper never freezes a
 sandbox that maps a /tmp file shared (the mapping would keep writing the frozen layer),
 has a unix socket bound or a fifo open under /tmp (a new overlay is a new inode for them:
-its own clients would lose it), or is MAX_LAYERS deep (the clone then copies what was
+its own clients would lose it), holds a deleted /tmp file open or works in a deleted /tmp
+directory (the layer could not be sealed: gym_fork/system/layer_checks.py has every check
+of the source), or is MAX_LAYERS deep (the clone then copies what was
 written since, as before); any failure before the new /tmp is mounted leaves the source
 as it was. A fifo or socket file in a frozen layer is no channel between branches: each
 overlay has an inode (a pipe, a socket) of its own for it.
 
-Stdlib only, and ``namespaces`` imported without the package where run as the helper's
-script (it starts with ``python -S``: ~20 ms, once per host).
+Stdlib only, and ``namespaces`` and ``layer_checks`` imported without the package where
+run as the helper's script (``python -S``, where no zygote forks the helper).
 """
 
 from __future__ import annotations
@@ -55,33 +57,25 @@ import errno
 import os
 import re
 import stat
+import time
 
 try:
+    from gym_fork.system import layer_checks as checks
     from gym_fork.system import namespaces as ns
-    from gym_fork.system import procmaps
 except ImportError:  # run by layer_helper.py as a script: the package is not imported
+    import layer_checks as checks  # type: ignore[import-not-found,no-redef]
     import namespaces as ns  # type: ignore[import-not-found,no-redef]
-    import procmaps  # type: ignore[import-not-found,no-redef]
 
-LAYERS_DIR = (
-    "/dev/.gym_fork-layers"  # made by the tree's /dev (host_view.minimal_dev, which names it too)
-)
-# Each layer is a mount in the source's namespace and in every namespace copied from it,
-# and a lower of each /tmp mounted since; 32 keeps /tmp's mount options well under a page.
-MAX_LAYERS = 32
+LAYERS_DIR, MAX_LAYERS = checks.LAYERS_DIR, checks.MAX_LAYERS
+FreezeRefused = checks.FreezeRefused
+
 # Entries at the top of the upper layer, renamed one by one while the source waits: past
 # this, the clones copy instead (a freeze stays well inside the helper's deadline).
 MAX_TOP_ENTRIES = 20_000
-_TMPFS_MAGIC = 0x01021994
-_PIDFD_GET_INFO, _PIDFD_INFO_PID = 0xC040FF0B, 1  # _IOWR(0xFF, 11, struct pidfd_info)
-_SYS_PIDFD_GETFD, _SYS_FSPICK, _SYS_FSCONFIG = 438, 433, 431
+_SYS_FSPICK, _SYS_FSCONFIG = 433, 431
 _FSPICK_CLOEXEC, _FSPICK_EMPTY_PATH = 0x1, 0x8
 _FSCONFIG_SET_FLAG, _FSCONFIG_CMD_RECONFIGURE = 0, 7
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-class FreezeRefused(Exception):
-    """The source's /tmp is not frozen (why); its clones copy its writes as before."""
 
 
 def layer_paths() -> list[str]:
@@ -107,117 +101,6 @@ def _setns(fd: int, kind: int) -> None:
     if _libc.setns(fd, kind) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _their_fd(pidfd: int, number: int) -> int:
-    fd = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, number, 0)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise FreezeRefused(f"its layer fd {number} could not be taken ({os.strerror(err)})")
-    return fd
-
-
-def _pid_of(pidfd: int) -> int:
-    """The pid (in our pid namespace) of the process ``pidfd`` holds: one ioctl
-    (PIDFD_GET_INFO, Linux 6.13+), else its fdinfo (~0.1 ms)."""
-    info = (ctypes.c_uint64 * 8)()  # struct pidfd_info, version 0: 64 bytes
-    info[0] = _PIDFD_INFO_PID
-    if _libc.ioctl(pidfd, _PIDFD_GET_INFO, info) == 0 and info[0] & _PIDFD_INFO_PID:
-        pid = info[2] & 0xFFFFFFFF  # __u32 pid follows the mask and the cgroup id
-        if pid > 0:
-            return pid
-    elif ctypes.get_errno() == errno.ESRCH:
-        raise FreezeRefused("its process is gone")
-    with open(f"/proc/self/fdinfo/{pidfd}") as f:
-        for line in f:
-            if line.startswith("Pid:"):
-                pid = int(line.split()[1])
-                if pid > 0:
-                    return pid
-    raise FreezeRefused("its process is gone")
-
-
-def _mount_id(path_or_fd: str | int) -> int:
-    fd = path_or_fd if isinstance(path_or_fd, int) else os.open(path_or_fd, os.O_PATH)
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as f:
-            for line in f:
-                if line.startswith("mnt_id:"):
-                    return int(line.split()[1])
-    finally:
-        if not isinstance(path_or_fd, int):
-            os.close(fd)
-    return -1
-
-
-def _check_is_tmpfs_directory(layer: int) -> None:
-    if not stat.S_ISDIR(os.fstat(layer).st_mode):
-        raise FreezeRefused("its layer fd is not a directory")
-    buf = (ctypes.c_long * 16)()  # struct statfs: f_type first
-    if _libc.fstatfs(layer, buf) != 0 or buf[0] != _TMPFS_MAGIC:
-        raise FreezeRefused("its layer fd is not on a tmpfs")
-
-
-def _check_layer(layer: int, pid: int) -> tuple[bool, int]:
-    """``layer`` (a tmpfs directory) must be mounted nowhere in the source's namespace
-    (detached: its private layer). Returns, from the same read of that namespace's
-    mount table: whether the index of slots is mounted there, and how many of its slots
-    hold a layer (from 0 on: the depth)."""
-    with open(f"/proc/{pid}/mountinfo", "rb") as f:
-        table = b"\n" + f.read()  # one read, searched as bytes: ~50 us, not ~0.5 ms of lines
-    if b"\n%d " % _mount_id(layer) in table:
-        raise FreezeRefused("its layer fd is on a mounted file system, not its layer")
-    points = _mount_points_under(table, LAYERS_DIR.encode())
-    depth = 0
-    while depth < MAX_LAYERS and f"{LAYERS_DIR}/{depth}".encode() in points:
-        depth += 1
-    return LAYERS_DIR.encode() in points, depth
-
-
-def _mount_points_under(table: bytes, top: bytes) -> set[bytes]:
-    """The mount points (mountinfo's fifth field) at ``top`` or below it, from the
-    lines that name it (a few: the search is a bytes scan, not a parse of every line)."""
-    points = set()
-    start = table.find(b" " + top)
-    while start >= 0:
-        line_start = table.rfind(b"\n", 0, start) + 1
-        line_end = table.find(b"\n", start)
-        fields = table[line_start : line_end if line_end >= 0 else None].split(b" ")
-        if len(fields) > 4 and (fields[4] == top or fields[4].startswith(top + b"/")):
-            points.add(fields[4])
-        start = table.find(b" " + top, line_end) if line_end >= 0 else -1
-    return points
-
-
-def _shares_a_tmp_file(pid: int) -> bool:
-    """Whether the source maps a /tmp file MAP_SHARED (its writes through the mapping
-    would keep changing the frozen file under its clones)."""
-    return any(name.startswith("/tmp/") for _writable, name in procmaps.shared_vmas(pid))
-
-
-def _keeps_a_tmp_endpoint(pid: int) -> str:
-    """What of the source's would stop working across the new /tmp: a unix socket
-    bound at a /tmp path (another overlay's inode is another socket: its clients would
-    be refused) or a fifo, socket or device it holds open there (a fifo's pipe is the
-    inode of the overlay it was opened through). "" if none."""
-    with open(f"/proc/{pid}/net/unix") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 8 and fields[7].startswith("/tmp/"):
-                return f"a unix socket is bound at {fields[7][:200]}"
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            path = os.readlink(f"/proc/{pid}/fd/{name}")
-            if not path.startswith("/tmp/"):
-                continue
-            mode = os.stat(f"/proc/{pid}/fd/{name}").st_mode
-        except OSError:
-            continue  # closed meanwhile
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            return f"it holds {path[:200]} open, which is not a file or directory"
-        if path.endswith(" (deleted)"):  # an O_TMPFILE or unlinked file: no path to reopen
-            return f"it holds a deleted file open ({path[:200]})"
-    return ""
 
 
 def _check_is_its_tmp(upper: int, owner: os.stat_result) -> None:
@@ -303,11 +186,52 @@ def _as_owner(owner: os.stat_result):
 
 
 def _move_entries(names: list[str], src: int, dst: int) -> list[str]:
-    moved = []
-    for name in names:
-        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
-        moved.append(name)
+    """Rename ``names`` from ``src`` into ``dst``; returns those moved. One gone
+    meanwhile (a thread of the source's removed or renamed it) is skipped; on any other
+    failure what was moved goes back, and the error is raised."""
+    moved: list[str] = []
+    try:
+        for name in names:
+            try:
+                os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+            except FileNotFoundError:
+                continue
+            moved.append(name)
+    except BaseException:
+        _move_back(moved, dst, src)
+        raise
     return moved
+
+
+def _move_back(names: list[str], src: int, dst: int) -> None:
+    """Best effort: each of ``names`` back from ``src`` into ``dst``, unless ``dst`` has
+    that name again (a thread of the source's made it since: the newer one stays)."""
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.stat(name, dir_fd=dst, follow_symlinks=False)
+            continue
+        with contextlib.suppress(OSError):
+            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+
+
+def _move_late_entries(src: int, dst: int) -> None:
+    """Once the new /tmp is mounted: entries a thread of the source's made in the old
+    layer meanwhile (through its working directory or a directory fd), moved where the
+    new /tmp shows them; best effort, never raising (the new /tmp is the source's now)."""
+    for _ in range(3):
+        try:
+            names = os.listdir(src)
+        except OSError:
+            return
+        moved = 0
+        for name in names:
+            try:  # a file replaces a frozen one of its name: the newer write wins
+                os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+                moved += 1
+            except OSError:  # gone meanwhile, or a directory onto a non-empty one
+                continue
+        if not moved:
+            return
 
 
 def freeze(
@@ -325,8 +249,8 @@ def freeze(
 
     Everything under /proc is read before entering the source's namespace (its /proc
     is its tree's pid namespace's, where this process has no /proc/self)."""
-    pid = _pid_of(pidfd)
-    layer = _their_fd(pidfd, layer_number)
+    pid = checks.pid_of(pidfd)
+    layer = checks.their_fd(pidfd, layer_number)
     opened: list[int] = [layer]
     own_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     opened.append(own_ns)
@@ -334,7 +258,7 @@ def freeze(
     frozen_name = ""
     owner = os.stat_result((0,) * 10)
     try:
-        _check_is_tmpfs_directory(layer)
+        checks.check_is_tmpfs_directory(layer)
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         upper = os.open("upper", flags, dir_fd=layer)
         opened.append(upper)
@@ -345,12 +269,12 @@ def freeze(
             raise FreezeRefused(
                 f"{len(names)} entries at the top of its /tmp (a freeze renames each)"
             )
-        indexed, depth = _check_layer(layer, pid)
+        indexed, depth = checks.check_layer(layer, pid)
         if depth >= MAX_LAYERS:
             raise FreezeRefused(f"{MAX_LAYERS} layers deep already")
-        if _shares_a_tmp_file(pid):
+        if checks.shares_a_tmp_file(pid):
             raise FreezeRefused("it maps a /tmp file shared (MAP_SHARED)")
-        endpoint = _keeps_a_tmp_endpoint(pid)
+        endpoint = checks.keeps_a_tmp_endpoint(pid) or checks.works_in_a_deleted_tmp_directory(pid)
         if endpoint:
             raise FreezeRefused(endpoint)
         owner = os.fstat(upper)
@@ -365,6 +289,9 @@ def freeze(
         ns.set_mount_attributes(bind, recursive=True, set_=ns.MOUNT_ATTR_RDONLY)
         new = _new_upper(size_bytes)
         opened.append(new)
+        for name in ("upper", "work"):  # the source's, as its first layer: so a later
+            # freeze's renames and probe run as it, not as the host's root
+            os.chown(name, owner.st_uid, owner.st_gid, dir_fd=new, follow_symlinks=False)
         if not indexed:
             opened.append(_new_index())
         _setns(pidfd, ns.CLONE_NEWNS)
@@ -393,18 +320,16 @@ def freeze(
                 ns.mount("overlay", "/tmp", "overlay", ns.MS_NOSUID | ns.MS_NODEV, options)
             except BaseException:
                 with _as_owner(owner):
-                    _move_entries(moved, frozen, upper)
+                    _move_back(moved, frozen, upper)
                 raise
-            with _as_owner(owner):  # made by a thread of the source's meanwhile
-                for _ in range(3):
-                    if not _move_entries(os.listdir(upper), upper, frozen):
-                        break
         except BaseException:
             with contextlib.suppress(OSError):
                 ns.detach_mount(slot)  # empty again
             raise
         frozen_name = ""
         opened.remove(new)
+        with _as_owner(owner):  # made by a thread of the source's meanwhile
+            _move_late_entries(upper, frozen)
         try:
             seal(layer)  # new opens go through the new /tmp: only old writers can block it
         except FreezeRefused:  # a file open for writing: sealed once the source reopened it
@@ -421,12 +346,29 @@ def freeze(
             os.close(fd)
 
 
-def seal(layer: int) -> None:
+class LayerBusy(FreezeRefused):
+    """The frozen layer's file system has a writer (or a deleted inode in use) now."""
+
+
+def seal(layer: int, patience_s: float = 0.0) -> None:
     """Make the frozen layer's file system read-only (``layer``: an fd of it, from
     :func:`freeze`), once the source has reopened its /tmp files on its new layer: from
     then on no fd of anyone's writes it (one kept past the overlay, received through a
-    socket, or a writable shared mapping would, and makes this refuse: EBUSY). Raises
-    FreezeRefused saying why."""
+    socket, or a writable shared mapping would, and makes this refuse: EBUSY). Busy, it
+    tries again each millisecond for ``patience_s`` (a thread of the source's closing a
+    file it had open before the freeze). Raises FreezeRefused saying why."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            _seal_once(layer)
+            return
+        except LayerBusy:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.001)
+
+
+def _seal_once(layer: int) -> None:
     picked = _libc.syscall(_SYS_FSPICK, layer, b"", _FSPICK_CLOEXEC | _FSPICK_EMPTY_PATH)
     if picked < 0:
         raise FreezeRefused(f"its layer cannot be reconfigured ({os.strerror(ctypes.get_errno())})")
@@ -436,10 +378,11 @@ def seal(layer: int) -> None:
         if _libc.syscall(_SYS_FSCONFIG, picked, _FSCONFIG_CMD_RECONFIGURE, None, None, 0) != 0:
             err = ctypes.get_errno()
             if err == errno.EBUSY:
-                raise FreezeRefused(
+                raise LayerBusy(
                     "a file of its frozen /tmp layer is still open for writing outside /tmp's "
-                    "overlay (an fd kept through its layer, or in flight on a socket), or "
-                    "mapped writable and shared"
+                    "overlay (an fd kept through its layer, or in flight on a socket), "
+                    "mapped writable and shared, or deleted and still in use (mapped, or a "
+                    "working directory)"
                 )
             raise FreezeRefused(f"its layer cannot be made read-only ({os.strerror(err)})")
     finally:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # the helper imports as little as it can: it starts at a firs
 
 _MAX_REQUEST = 4096
 ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
+# How long a seal after the source reopened its files waits for a writer to go (a thread
+# of its closing a file it opened before the freeze); the source's FORK waits as long.
+SEAL_PATIENCE_S = 0.05
 
 
 class LayerHelper:
@@ -158,15 +161,15 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
         try:
             request = json.loads(data)
             if request.get("op") == "seal":
-                layer = pending.pop(int(request["token"]), -1)
+                token = int(request["token"])
+                layer = pending.get(token, -1)
                 answer = {"sealed": False, "why": "no such frozen layer"}
-                if layer >= 0:
-                    try:
-                        if not request.get("drop"):
-                            frozen_layers.seal(layer)
-                            answer = {"sealed": True}
-                    finally:
-                        os.close(layer)
+                if layer >= 0 and request.get("drop"):
+                    os.close(pending.pop(token))
+                elif layer >= 0:  # kept where it fails: the source's next fork asks again
+                    frozen_layers.seal(layer, patience_s=SEAL_PATIENCE_S)
+                    os.close(pending.pop(token))
+                    answer = {"sealed": True}
             else:
                 if len(fds) != 1:
                     raise frozen_layers.FreezeRefused("no pidfd came with the request")

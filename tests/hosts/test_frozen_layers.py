@@ -4,6 +4,7 @@ an env (a careless or hostile one) would use /tmp."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -376,6 +377,9 @@ class KeepsItsLayer(Workspace):
         layer = sandbox_isolation.private_layer_fd()
         self._raw = open(f"/proc/self/fd/{layer}/upper/ws/file.txt", "a")  # noqa: SIM115
 
+    def close_raw(self):
+        self._raw.close()
+
     def point_layer_fd_at(self, fd):
         from gym_fork.system import sandbox_isolation
 
@@ -419,6 +423,11 @@ def test_a_source_writing_its_layer_past_the_overlay_is_not_forked():
             with pytest.raises((SubEnvError, RuntimeError), match="not read-only"):
                 envs.fork("b")
         assert envs.call("read", "/tmp/ws/file.txt")[0] == "original\n"  # its own view
+        envs.call("close_raw")  # nothing writes the frozen layer any more: sealed now
+        with contextlib.closing(envs.fork("b")) as branch:
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "original\n"
+            branch.call("write", "/tmp/ws/file.txt", "branch\n")
+            assert envs.call("read", "/tmp/ws/file.txt")[0] == "original\n"
     finally:
         envs.close()
 
@@ -487,5 +496,147 @@ def test_the_helper_seals_at_once_unless_a_file_of_the_layer_is_open_for_writing
         finally:
             for branch in branches:
                 branch.close()
+    finally:
+        envs.close()
+
+
+class Careless(Workspace):
+    """What envs do to /tmp without meaning harm: a thread churning scratch files at its
+    top, a working directory deleted under it, a file mapped then deleted (a .so loaded
+    from /tmp)."""
+
+    def start_churn(self):
+        import threading
+
+        self._churning = True
+
+        def churn():
+            i = 0
+            while self._churning:
+                i += 1
+                name = f"/tmp/scratch{i % 8}"
+                with contextlib.suppress(OSError):
+                    with open(name, "w") as f:
+                        f.write("x")
+                    os.rename(name, name + "-renamed")
+                    os.unlink(name + "-renamed")
+
+        self._churner = threading.Thread(target=churn, daemon=True)
+        self._churner.start()
+
+    def stop_churn(self):
+        self._churning = False
+        self._churner.join()
+
+    def missing(self, count):
+        return [k for k in range(count) if not os.path.exists(f"/tmp/round{k}")]
+
+    def work_in_a_deleted_directory(self):
+        import tempfile
+
+        path = tempfile.mkdtemp(dir="/tmp")
+        os.chdir(path)
+        os.rmdir(path)
+
+    def leave(self):
+        os.chdir("/")
+
+    def map_then_delete(self):
+        """As dlopen maps a library: MAP_PRIVATE, read-only, no fd kept (Python's
+        mmap keeps one, which the helper would see)."""
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3
+        libc.mmap.argtypes += [ctypes.c_long]
+        with open("/tmp/lib.so", "wb") as f:
+            f.write(b"\x7fELF" + b"\0" * 4092)
+        fd = os.open("/tmp/lib.so", os.O_RDONLY)
+        self._map = libc.mmap(None, 4096, 1, 2, fd, 0)  # PROT_READ, MAP_PRIVATE
+        os.close(fd)
+        os.unlink("/tmp/lib.so")
+        assert self._map not in (None, ctypes.c_void_p(-1).value)
+
+    def unmap(self):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        assert libc.munmap(self._map, 4096) == 0
+
+
+def _fork_past_transient_writers(envs, name):
+    """A fork, asked again (at most 3 times) where a thread of the source still held a
+    file it opened before the freeze past the helper's patience (a loaded box can
+    deschedule it that long): the next fork seals the layer once the file is closed."""
+    from gym_fork import SubEnvError
+
+    for attempt in range(3):
+        try:
+            return envs.fork(f"{name}-{attempt}")
+        except (SubEnvError, RuntimeError) as exc:
+            if "not read-only" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def test_a_thread_churning_the_top_of_tmp_loses_no_file_across_forks():
+    """Entries a thread removes or renames while the helper moves them are skipped, not
+    an error halfway through (that left files in an orphan layer, lost to source and
+    branch), and nothing after the new /tmp is mounted fails the freeze."""
+    envs = ForkVectorEnv([Careless], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("start_churn")
+        try:
+            for r in range(12):
+                envs.call("write", f"/tmp/round{r}", "r\n")
+                with contextlib.closing(_fork_past_transient_writers(envs, f"b{r}")) as branch:
+                    assert branch.call("missing", r + 1)[0] == []
+                    assert envs.call("missing", r + 1)[0] == []
+        finally:
+            envs.call("stop_churn")
+        assert envs.call("layers")[0] >= 1
+    finally:
+        envs.close()
+
+
+def test_a_deleted_working_directory_makes_the_fork_copy_and_pins_nothing():
+    """Its deleted inode would keep the frozen layer writable for good: the helper says
+    so before it changes anything, the clones copy, and once the source works elsewhere
+    its next fork freezes again."""
+    envs = ForkVectorEnv([Careless], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/a.txt", "a\n")
+        envs.call("work_in_a_deleted_directory")
+        with contextlib.closing(envs.fork("b0")) as branch:
+            assert branch.call("read", "/tmp/ws/a.txt")[0] == "a\n"
+        assert envs.call("layers")[0] == 0  # copied, not frozen
+        envs.call("leave")
+        envs.call("write", "/tmp/ws/b.txt", "b\n")
+        with contextlib.closing(envs.fork("b1")) as branch:
+            assert branch.call("read", "/tmp/ws/b.txt")[0] == "b\n"
+        assert envs.call("layers")[0] == 1
+    finally:
+        envs.close()
+
+
+def test_a_deleted_file_still_mapped_fails_the_fork_until_it_is_unmapped():
+    """A private mapping of a deleted /tmp file keeps the frozen layer from being made
+    read-only: the fork fails naming that cause, and succeeds once it is unmapped."""
+    from gym_fork import SubEnvError
+
+    envs = ForkVectorEnv([Careless], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/a.txt", "a\n")
+        envs.call("map_then_delete")
+        with pytest.raises((SubEnvError, RuntimeError), match="deleted and still in use"):
+            envs.fork("b0")
+        envs.call("unmap")
+        with contextlib.closing(envs.fork("b1")) as branch:
+            assert branch.call("read", "/tmp/ws/a.txt")[0] == "a\n"
     finally:
         envs.close()

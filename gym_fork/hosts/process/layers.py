@@ -34,7 +34,9 @@ class TmpLayers:
         self.helper: LayerHelper | None = None
         self.off = self._why_off()
         self.said: set[str] = set()
-        self.unsealed: dict[int, str] = {}  # pid -> why its frozen layer is not read-only
+        # pid -> why its frozen layers are not read-only, and their tokens (asked again
+        # at its next fork: the cause may be gone, e.g. a deleted file it mapped)
+        self.unsealed: dict[int, tuple[str, list[int]]] = {}
         self.started: dict[int, float] = {}  # token -> when its freeze was asked
         # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
         # it): from asking the freeze to the frozen layer sealed; where the helper
@@ -60,10 +62,7 @@ class TmpLayers:
         (its clones copy them). Raises RuntimeError for a source whose frozen layer could not be
         sealed before: no clone may stand on a layer that can still be written."""
         if source.pid in self.unsealed:
-            raise RuntimeError(
-                f"fork of {source.name}: its /tmp's frozen layer is not read-only "
-                f"({self.unsealed[source.pid]}): it is not forked again"
-            )
+            self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
         if not why:
             asked = time.perf_counter()
@@ -98,10 +97,28 @@ class TmpLayers:
         why = why or self.helper.seal(token, drop=drop)  # type: ignore[union-attr]
         asked = self.started.pop(token, None)
         if why and not drop:
-            self.unsealed[source.pid] = why
+            self.unsealed[source.pid] = (why, [*self.unsealed.get(source.pid, ("", []))[1], token])
         elif not why and not drop and asked is not None:
             self._swapped(asked)
         return why
+
+    def _seal_again(self, source: WorkerHandle) -> None:
+        """Before another fork of a source whose frozen layers could not be sealed:
+        try again; RuntimeError while one still cannot (no clone may stand on it)."""
+        why, tokens = self.unsealed.pop(source.pid)
+        left = []
+        for token in tokens:
+            again = "the layer helper has ended" if self.helper is None else ""
+            again = again or self.helper.seal(token)  # type: ignore[union-attr]
+            if again:
+                why = again
+                left.append(token)
+        if left:
+            self.unsealed[source.pid] = (why, left)
+            raise RuntimeError(
+                f"fork of {source.name}: its /tmp's frozen layer is not read-only ({why}): "
+                "it is forked again once it can be made so"
+            )
 
     def _swapped(self, asked: float) -> None:
         self.swap_ms = [*self.swap_ms[-999:], (time.perf_counter() - asked) * 1e3]
