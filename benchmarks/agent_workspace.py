@@ -213,7 +213,9 @@ def main() -> None:
     parser.add_argument("--vm-mb", type=int, default=50, help="the guest's workspace, MB")
     parser.add_argument("--vm-files", type=int, default=2_500)
     parser.add_argument(
-        "--contenders", help="only these, comma-separated (fork,copy fork,cp -a)", default=""
+        "--contenders",
+        help="only these, comma-separated (fork,copy fork,cp -a,vm fork)",
+        default="",
     )
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -226,13 +228,13 @@ def main() -> None:
     for r in range(args.rounds):
         before = load()
         wanted = set(filter(None, args.contenders.split(",")))
-        for contender, copies, where in MATRIX:
+        for contender, copies, where in MATRIX + (VM_MATRIX if args.microvm else ()):
             if wanted and contender not in wanted:
                 continue
             key = f"{contender} x{copies} {where}"
-            runs.setdefault(key, []).append(
-                run_child(contender, copies, where, args.mb, args.files)
-            )
+            vm = contender == "vm fork"  # the guest's workspace lives in its RAM: smaller
+            mb, files = (args.vm_mb, args.vm_files) if vm else (args.mb, args.files)
+            runs.setdefault(key, []).append(run_child(contender, copies, where, mb, files))
         loads.append({"round": r, "load_before": before, "load_after": load()})
         print(f"round {r}: load {before:.2f} -> {load():.2f}", flush=True)
     table = {}
