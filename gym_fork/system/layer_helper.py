@@ -64,6 +64,11 @@ class LayerHelper:
                 theirs.close()
             self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
+        import threading
+
+        # One request and its answer at a time: two threads forking two sources of one
+        # host must not take each other's answer (and new layer fd).
+        self._asking = threading.Lock()
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
 
@@ -106,22 +111,32 @@ class LayerHelper:
         return "" if answer.get("sealed") else str(answer.get("why"))
 
     def _ask(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        if self.broken:
-            raise RuntimeError(self.broken)
-        try:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
-        except OSError as exc:  # timeout included
-            self.broken = f"the layer helper did not answer ({exc})"
-            self.close()
-            raise RuntimeError(self.broken) from exc
-        if not data:
-            self.broken = "the layer helper ended"
-            raise RuntimeError(self.broken)
-        return json.loads(data), got
+        with self._asking:
+            if self.broken:
+                raise RuntimeError(self.broken)
+            got: list[int] = []
+            try:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+                if not data:
+                    raise EOFError("it ended")
+                answer = json.loads(data)
+                if not isinstance(answer, dict):
+                    raise ValueError(f"an answer that is no object: {answer!r:.100}")
+            except (OSError, EOFError, ValueError) as exc:  # timeout included
+                for fd in got:
+                    os.close(fd)
+                self.broken = f"the layer helper did not answer ({exc})"
+                self._end()
+                raise RuntimeError(self.broken) from exc
+            return answer, got
 
     def close(self) -> None:
         """End the helper (EOF on its socket), killed if it takes more than a second."""
+        with self._asking:  # not beside a request in flight
+            self._end()
+
+    def _end(self) -> None:
         import subprocess
 
         self.sock.close()
@@ -138,6 +153,41 @@ class LayerHelper:
             self.watch.close()
 
 
+class _Pending:
+    """The frozen layers not sealed yet, each with a pidfd of its source: a layer whose
+    source has exited is let go of at once (it would pin a whole workspace's memory)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[int, int]] = {}  # token -> (layer fd, source's pidfd)
+
+    def keep(self, token: int, layer: int, source_pidfd: int) -> None:
+        self.layers[token] = (layer, os.dup(source_pidfd))
+
+    def layer(self, token: int) -> int:
+        return self.layers.get(token, (-1, -1))[0]
+
+    def drop(self, token: int) -> None:
+        for fd in self.layers.pop(token):
+            os.close(fd)
+
+    def wait_for(self, sock: socket.socket) -> None:
+        """Until ``sock`` has a request (or EOF); meanwhile drop the layers of sources
+        that exit."""
+        import select
+
+        while True:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            sources = {pidfd: token for token, (_layer, pidfd) in self.layers.items()}
+            for pidfd in sources:
+                poller.register(pidfd, select.POLLIN)
+            ready = {fd for fd, _events in poller.poll()}
+            for pidfd in ready & sources.keys():
+                self.drop(sources[pidfd])
+            if sock.fileno() in ready:
+                return
+
+
 def serve(sock: socket.socket, size_bytes: int) -> None:
     """The helper's loop: one freeze or seal per request, until EOF. A frozen layer's fd
     waits here for its seal (or its drop). The new tmpfs a freeze needs are made while
@@ -149,9 +199,10 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
 
     with contextlib.suppress(OSError):
         frozen_layers.make_spares(size_bytes)
-    pending: dict[int, int] = {}  # token -> the frozen layer's fd
+    pending = _Pending()
     tokens = iter(range(1, 1 << 62))
     while True:
+        pending.wait_for(sock)  # a source gone meanwhile lets go of its layers
         data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST, 1)
         if not data:
             return
@@ -162,13 +213,13 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
             request = json.loads(data)
             if request.get("op") == "seal":
                 token = int(request["token"])
-                layer = pending.get(token, -1)
+                layer = pending.layer(token)
                 answer = {"sealed": False, "why": "no such frozen layer"}
                 if layer >= 0 and request.get("drop"):
-                    os.close(pending.pop(token))
+                    pending.drop(token)
                 elif layer >= 0:  # kept where it fails: the source's next fork asks again
                     frozen_layers.seal(layer, patience_s=SEAL_PATIENCE_S)
-                    os.close(pending.pop(token))
+                    pending.drop(token)
                     answer = {"sealed": True}
             else:
                 if len(fds) != 1:
@@ -179,7 +230,7 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
                 answer = {"frozen": True, "depth": depth, "token": None}
                 if unsealed is not None:  # sealed once the source has reopened its files
                     answer["token"] = token = next(tokens)
-                    pending[token] = unsealed
+                    pending.keep(token, unsealed, fds[0])
         except frozen_layers.FreezeRefused as exc:
             answer["why"] = str(exc)
         except Exception as exc:  # told to the controller, which copies instead

@@ -308,6 +308,7 @@ def test_the_layer_helper_ends_with_its_host(monkeypatch, zygote):
         assert helper is not None and helper.alive()
         assert (helper.watch is not None) == (zygote == "1")  # a zygote's child
         assert (helper.process is not None) == (zygote == "0")  # ours
+        assert helper.sock.type == socket.SOCK_SEQPACKET  # one message a packet
     finally:
         envs.close()
     assert not helper.alive()
@@ -638,5 +639,74 @@ def test_a_deleted_file_still_mapped_fails_the_fork_until_it_is_unmapped():
         envs.call("unmap")
         with contextlib.closing(envs.fork("b1")) as branch:
             assert branch.call("read", "/tmp/ws/a.txt")[0] == "a\n"
+    finally:
+        envs.close()
+
+
+def _open_fds_of(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_an_unsealable_source_that_exits_leaves_no_layer_pinned():
+    """A branch whose frozen layer could not be sealed is closed: the helper lets go of
+    that layer (a whole workspace's memory) and the host forgets it."""
+    from gym_fork import SubEnvError
+
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        branch = envs.fork("b")
+        try:
+            branch.call("write", "/tmp/ws/file.txt", "branch\n")
+            branch.call("open_for_writing_past_the_overlay")
+            with pytest.raises((SubEnvError, RuntimeError), match="not read-only"):
+                branch.fork("bb")
+            layers = envs.sandboxes.host.tmp_layers
+            helper = layers.helper
+            pid = helper.watch.pid if helper.watch is not None else helper.process.pid
+            pinned = _open_fds_of(pid)
+            gone = branch.worker_pids[0]
+        finally:
+            branch.close()
+        assert wait_until(lambda: _open_fds_of(pid) <= pinned - 2, 5.0)  # layer + pidfd
+        envs.call("write", "/tmp/ws/more.txt", "more\n")
+        with contextlib.closing(envs.fork("c")) as again:
+            assert again.call("read", "/tmp/ws/more.txt")[0] == "more\n"
+        assert gone not in layers.unsealed
+    finally:
+        envs.close()
+
+
+def test_two_threads_forking_two_sources_of_one_host_each_get_their_own_layer():
+    """One helper serves a host: concurrent freezes must not take each other's answer
+    (a new layer handed to the wrong source would be another sandbox's /tmp)."""
+    import threading
+
+    envs = workspace_env()
+    try:
+        first = envs.fork("first")
+        try:
+            sources = {"root": envs, "first": first}
+            failures: list[str] = []
+
+            def fork_repeatedly(name):
+                source = sources[name]
+                for r in range(6):
+                    source.call("write", "/tmp/ws/owner.txt", f"{name} {r}\n", "w")
+                    with contextlib.closing(source.fork(f"{name}-{r}")) as branch:
+                        seen = branch.call("read", "/tmp/ws/owner.txt")[0]
+                        if seen != f"{name} {r}\n":
+                            failures.append(f"{name} {r}: {seen!r}")
+
+            threads = [threading.Thread(target=fork_repeatedly, args=(n,)) for n in sources]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not failures
+            assert all(not thread.is_alive() for thread in threads)
+        finally:
+            first.close()
     finally:
         envs.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -34,9 +35,11 @@ class TmpLayers:
         self.helper: LayerHelper | None = None
         self.off = self._why_off()
         self.said: set[str] = set()
-        # pid -> why its frozen layers are not read-only, and their tokens (asked again
-        # at its next fork: the cause may be gone, e.g. a deleted file it mapped)
-        self.unsealed: dict[int, tuple[str, list[int]]] = {}
+        # pid -> why its frozen layers are not read-only, their tokens (asked again at its
+        # next fork: the cause may be gone, e.g. a deleted file it mapped) and its watch
+        # (forgotten once it has exited: the helper lets go of its layers then)
+        self.unsealed: dict[int, tuple[str, list[int], Any]] = {}
+        self._starting = threading.Lock()  # one helper, whichever thread forks first
         self.started: dict[int, float] = {}  # token -> when its freeze was asked
         # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
         # it): from asking the freeze to the frozen layer sealed; where the helper
@@ -61,15 +64,19 @@ class TmpLayers:
         its files, or None where the helper sealed the frozen layer already), or None
         (its clones copy them). Raises RuntimeError for a source whose frozen layer could not be
         sealed before: no clone may stand on a layer that can still be written."""
+        for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
+            if not watch.alive():
+                del self.unsealed[pid]
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
         if not why:
             asked = time.perf_counter()
             try:
-                if self.helper is None:
-                    size = self.isolation.layer_bytes()
-                    self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
+                with self._starting:
+                    if self.helper is None:
+                        size = self.isolation.layer_bytes()
+                        self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
                 layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
                 pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
                 fd, _depth, token = self.helper.freeze(
@@ -91,13 +98,14 @@ class TmpLayers:
 
     def seal(self, source: WorkerHandle, token: int, drop: bool = False) -> str:
         """Make ``source``'s layer frozen under ``token`` read-only, once it has reopened
-        its files ("", else why not: the source is then never forked again); ``drop``:
-        its FORK failed before, only let go of the layer."""
+        its files ("", else why not: the source's next fork asks again, and is refused
+        while it cannot be); ``drop``: its FORK failed before, only let go of the layer."""
         why = "the layer helper has ended" if self.helper is None else ""
         why = why or self.helper.seal(token, drop=drop)  # type: ignore[union-attr]
         asked = self.started.pop(token, None)
         if why and not drop:
-            self.unsealed[source.pid] = (why, [*self.unsealed.get(source.pid, ("", []))[1], token])
+            earlier = self.unsealed.get(source.pid, ("", [], source.watch))[1]
+            self.unsealed[source.pid] = (why, [*earlier, token], source.watch)
         elif not why and not drop and asked is not None:
             self._swapped(asked)
         return why
@@ -105,7 +113,7 @@ class TmpLayers:
     def _seal_again(self, source: WorkerHandle) -> None:
         """Before another fork of a source whose frozen layers could not be sealed:
         try again; RuntimeError while one still cannot (no clone may stand on it)."""
-        why, tokens = self.unsealed.pop(source.pid)
+        why, tokens, watch = self.unsealed.pop(source.pid)
         left = []
         for token in tokens:
             again = "the layer helper has ended" if self.helper is None else ""
@@ -114,7 +122,7 @@ class TmpLayers:
                 why = again
                 left.append(token)
         if left:
-            self.unsealed[source.pid] = (why, left)
+            self.unsealed[source.pid] = (why, left, watch)
             raise RuntimeError(
                 f"fork of {source.name}: its /tmp's frozen layer is not read-only ({why}): "
                 "it is forked again once it can be made so"

@@ -19,11 +19,13 @@ CLI, a warm parent, a sandbox) starts none.
 Lifetime: a zygote exits when the controller closes its socket (at exit) or dies. Its
 warm parents get SIGTERM when it exits (PDEATHSIG) and take their trees down, so a
 zygote that failed one request is retired, never closed: it forks nothing more and
-exits once its last warm parent has. A zygote whose start-up inputs no longer match
-the controller's (interpreter, uid/gid, ``PYTHON*``, ``LD_*``, ``MALLOC_*``,
-``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is retired the same way when
-a zygote for the new inputs starts: one is live at a time. A zygote no vector env has
-used is killed instead (it may still be importing: an exit must not wait for that).
+exits once its last warm parent has (and the last layer helper it forked for a process
+host: gym_fork/system/layer_helper.py, which ends when its host closes). A zygote whose
+start-up inputs no longer match the controller's (interpreter, uid/gid, ``PYTHON*``,
+``LD_*``, ``MALLOC_*``, ``LC_*``/``LANG``, ``*_NUM_THREADS``, ``GYM_FORK_SPIN``) is
+retired the same way when a zygote for the new inputs starts: one is live at a time. A
+zygote no vector env has used is killed instead (it may still be importing: an exit must
+not wait for that).
 
 ``GYM_FORK_ZYGOTE=0`` turns it off (every warm parent is a fresh interpreter again).
 """
@@ -105,7 +107,8 @@ class Zygote:
         with self._lock:
             if not self.ready:
                 raise SandboxStartError("zygote fork: not ready")
-            return self._fork(M.ForkLayerHelper(size_bytes), (), M.LayerHelperForked, timeout)
+            request = M.ForkLayerHelper(size_bytes)  # its protocol is one message a packet:
+            return self._fork(request, (), M.LayerHelperForked, timeout, socket.SOCK_SEQPACKET)
 
     def _fork(
         self,
@@ -222,6 +225,10 @@ def fork_layer_helper(
         try:
             return zygote.fork_layer_helper(size_bytes, timeout)
         except (OSError, SandboxStartError):
+            # Retired, as fork_warm_parent does: a late answer would meet the next request.
+            with _registry_lock:
+                if _zygotes.get(zygote.key) is zygote:
+                    _zygotes.pop(zygote.key).retire()
             return None
     return None
 
