@@ -124,18 +124,18 @@ def shares_a_tmp_file(pid: int) -> bool:
 
 
 def keeps_a_tmp_endpoint(pid: int) -> str:
-    """What of the source's would stop working across the new /tmp: a unix socket
-    bound at a /tmp path (another overlay's inode is another socket: its clients would
-    be refused) or a fifo, socket or device it holds open there (a fifo's pipe is the
-    inode of the overlay it was opened through). "" if none."""
-    with open(f"/proc/{pid}/net/unix") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 8 and fields[7].startswith("/tmp/"):
-                return f"a unix socket is bound at {fields[7][:200]}"
+    """What of the source's would stop working across the new /tmp: a unix socket of
+    its bound at a /tmp path (another overlay's inode is another socket: its clients
+    would be refused) or a fifo, socket or device it holds open there (a fifo's pipe is
+    the inode of the overlay it was opened through). "" if none. Sockets other sandboxes
+    of its network namespace bound (at paths of their own /tmp) are not its concern."""
+    sockets = set()
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
             path = os.readlink(f"/proc/{pid}/fd/{name}")
+            if path.startswith("socket:["):
+                sockets.add(path[8:-1])
+                continue
             if not path.startswith("/tmp/"):
                 continue
             mode = os.stat(f"/proc/{pid}/fd/{name}").st_mode
@@ -145,6 +145,12 @@ def keeps_a_tmp_endpoint(pid: int) -> str:
             return f"it holds {path[:200]} open, which is not a file or directory"
         if path.endswith(" (deleted)"):  # an O_TMPFILE or unlinked file: no path to reopen
             return f"it holds a deleted file open ({path[:200]})"
+    if sockets:
+        with open(f"/proc/{pid}/net/unix") as f:
+            for line in f:
+                fields = line.split()  # Num RefCount Protocol Flags Type St Inode Path
+                if len(fields) >= 8 and fields[6] in sockets and fields[7].startswith("/tmp/"):
+                    return f"a unix socket is bound at {fields[7][:200]}"
     return ""
 
 

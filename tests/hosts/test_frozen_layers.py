@@ -201,6 +201,10 @@ class HoldsEndpoints(Workspace):
         self._sock.bind("/tmp/ws/server.sock")
         self._sock.listen()
 
+    def bind_if_asked(self):
+        if getattr(self, "binds", False):
+            self.bind_socket()
+
     def connect(self):
         client = socket.socket(socket.AF_UNIX)
         try:
@@ -229,6 +233,24 @@ def test_what_a_new_tmp_would_break_makes_the_fork_copy_instead(hold):
                 assert envs.call("connect")[0] == "connected"
         finally:
             branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_socket_another_sandbox_bound_in_its_own_tmp_does_not_stop_a_freeze():
+    """Sandboxes of one tree may share a network namespace, whose unix socket table
+    lists every socket bound in it: only the source's own sockets stop its freeze."""
+    envs = ForkVectorEnv([HoldsEndpoints] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "content\n")
+        envs.set_attr("binds", [True, False])
+        envs.call("bind_if_asked")
+        with contextlib.closing(envs.fork("b", indices=[1])) as branch:
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "content\n"
+            assert branch.call("layers")[0] == 1
+        assert envs.call("layers") == (0, 1)  # frozen: sub-env 1 only
+        assert envs.call("connect")[0] == "connected"  # sub-env 0's socket is untouched
     finally:
         envs.close()
 
