@@ -55,7 +55,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import re
 import stat
 import time
 
@@ -92,9 +91,19 @@ def layer_paths() -> list[str]:
 
 def kernel_supports_layers(release: str | None = None) -> bool:
     """tmpfs keeps user.* xattrs from Linux 6.6: the overlays of every layer then mark
-    opaque directories alike (``userxattr``, what a clone's user namespace allows)."""
-    found = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
-    return found is not None and (int(found[1]), int(found[2])) >= (6, 6)
+    opaque directories alike (``userxattr``, what a clone's user namespace allows).
+    Asked at every sandbox's birth: no regex (compiling one there cost ~0.4 ms)."""
+    numbers = []
+    for part in (release or os.uname().release).split(".")[:2]:
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            return False
+        numbers.append(int(digits))
+    return len(numbers) == 2 and (numbers[0], numbers[1]) >= (6, 6)
 
 
 def _setns(fd: int, kind: int) -> None:
