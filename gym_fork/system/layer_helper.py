@@ -4,8 +4,8 @@
 One per process host, started at its first freeze: forked by the controller's zygote
 where one is ready (gym_fork/hosts/process/zygote.py: a millisecond or two), else
 ``python -S`` on this file (stdlib only: ~30 ms before its first answer); single-threaded
-(a thread cannot enter another mount namespace), talking
-to the controller over a SOCK_SEQPACKET pair: a request is a JSON object and the
+(a thread cannot enter another mount namespace), talking to the controller over a
+SOCK_SEQPACKET pair: a request is a JSON object and the
 source's pidfd; the answer a JSON object and, once frozen, the fd of the source's new
 upper layer. It ends when the controller's end closes (the host's close, or the
 controller's death: EOF), and is killed past a deadline.
@@ -42,7 +42,8 @@ class LayerHelper:
         """``size_bytes``: the upper layers' size (the helper makes the next one ahead).
         ``forked``: a helper a zygote forked already (our end of its socket, a watch of
         it); without it a fresh interpreter is started."""
-        import subprocess
+        import subprocess  # the controller's end only: the helper itself imports neither
+        import threading
 
         self.process: subprocess.Popen | None = None  # ours to reap, where we started it
         self.watch: ProcessWatch | None = None  # a zygote's child: known by its pidfd
@@ -64,8 +65,6 @@ class LayerHelper:
                 theirs.close()
             self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
-        import threading
-
         # One request and its answer at a time: two threads forking two sources of one
         # host must not take each other's answer (and new layer fd).
         self._asking = threading.Lock()

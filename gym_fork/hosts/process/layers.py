@@ -100,8 +100,7 @@ class TmpLayers:
         """Make ``source``'s layer frozen under ``token`` read-only, once it has reopened
         its files ("", else why not: the source's next fork asks again, and is refused
         while it cannot be); ``drop``: its FORK failed before, only let go of the layer."""
-        why = "the layer helper has ended" if self.helper is None else ""
-        why = why or self.helper.seal(token, drop=drop)  # type: ignore[union-attr]
+        why = self._ask_seal(token, drop)
         asked = self.started.pop(token, None)
         if why and not drop:
             earlier = self.unsealed.get(source.pid, ("", [], source.watch))[1]
@@ -116,8 +115,7 @@ class TmpLayers:
         why, tokens, watch = self.unsealed.pop(source.pid)
         left = []
         for token in tokens:
-            again = "the layer helper has ended" if self.helper is None else ""
-            again = again or self.helper.seal(token)  # type: ignore[union-attr]
+            again = self._ask_seal(token)
             if again:
                 why = again
                 left.append(token)
@@ -127,6 +125,11 @@ class TmpLayers:
                 f"fork of {source.name}: its /tmp's frozen layer is not read-only ({why}): "
                 "it is forked again once it can be made so"
             )
+
+    def _ask_seal(self, token: int, drop: bool = False) -> str:
+        if self.helper is None:
+            return "the layer helper has ended"
+        return self.helper.seal(token, drop=drop)
 
     def _swapped(self, asked: float) -> None:
         self.swap_ms = [*self.swap_ms[-999:], (time.perf_counter() - asked) * 1e3]
