@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import ctypes
 import errno
@@ -185,6 +186,10 @@ CLONE_CHILD_SETTID = 0x01000000
 # Per machine: the numbers of clone, set_robust_list and get_robust_list, and where
 # clone's child_tid argument goes (after tls on arm64).
 _SYSCALLS = {"x86_64": (56, 273, 274, 3), "aarch64": (220, 99, 100, 4)}
+# Every signal, as plain ints: signal.pthread_sigmask turns each number of the mask it
+# returns into a Signals member (~0.1 ms for a full mask, twice per fork); _signal's
+# does not.
+_ALL_SIGNALS = frozenset(_signal.valid_signals())
 # Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
 # holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
 _GLIBC_TID_OFFSET = 0x2D0
@@ -260,7 +265,7 @@ def fork_sibling() -> tuple[int, int]:
     # os.fork() runs its hooks and the fork in C; here they are Python calls, so signals
     # are held off meanwhile: a handler raising between PyOS_BeforeFork and AfterFork
     # would leave the import lock held (or a clone made and its pid lost).
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _ALL_SIGNALS)
     pid, pidfd, err = -1, -1, 0
     try:
         api.PyOS_BeforeFork()
@@ -278,7 +283,7 @@ def fork_sibling() -> tuple[int, int]:
             else:
                 api.PyOS_AfterFork_Parent()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid, pidfd
