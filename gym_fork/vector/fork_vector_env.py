@@ -414,7 +414,7 @@ class ForkVectorEnv(Reports, Results, BatchMode, VectorEnv):  # type: ignore[mis
 
         branch._open(opened, record)  # which calls record: measured[0] is there
         branch._enforce_isolation(measured[0])
-        provenance.warn_branch_lost_isolation(self.isolation, measured[0], plan.branch_id)
+        provenance.warn_branch_lost_isolation(lambda: self.isolation, measured[0], plan.branch_id)
         warn_shared_with_source(opened.sandboxes.pool.workers, plan.branch_id)
         return branch
 
