@@ -292,6 +292,10 @@ def fork_sibling() -> tuple[int, int]:
 def live_children() -> list[tuple[int, str]]:
     """(pid, command name) of this process's children that have not exited (zombies
     left out), from /proc; empty where /proc cannot tell."""
+    try:  # no child at all, the usual case: one call, not a read of every /proc entry
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return []
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):

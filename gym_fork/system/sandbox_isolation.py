@@ -259,20 +259,25 @@ def clone_source(copy_from: str | None, tree: Isolation) -> str | None:
     return copy_from
 
 
-def before_forking_clones(copy_from: str | None, tree: Isolation) -> list[str]:
+def before_forking_clones(
+    copy_from: str | None, tree: Isolation, handed: frozenset[int] = frozenset()
+) -> list[str]:
     """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
     :func:`gym_fork.system.birth.be_born`): list what their TMPDIRs start from once,
     here, instead of once in every clone (only an empty listing is remembered), and what
     they will share with this sandbox whatever their namespaces: its shared mappings
     (anonymous shared memory included: a fork does not copy them), and open files in /tmp
-    or /dev/shm no clone can reopen on its copy. Returns those, named."""
+    or /dev/shm no clone can reopen on its copy. Returns those, named. ``handed``: the
+    clones' fds the controller sent (no file of /tmp or /dev/shm: not looked at)."""
     global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
     source = clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:
         _EMPTY_CLONE_SOURCE = None  # each clone looks for itself
-    files, stuck = snapshot.private_files() if _PRIVATE_WRITES_FD is not None else ([], [])
+    files, stuck = (
+        snapshot.private_files(skip=handed) if _PRIVATE_WRITES_FD is not None else ([], [])
+    )
     try:
         shared = snapshot.shared_mappings()  # every fork: ~40 us (1 ms where read as text)
     except OSError as exc:

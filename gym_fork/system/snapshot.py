@@ -107,13 +107,19 @@ PRIVATE_PREFIXES = ("/tmp/", "/dev/shm/")
 _KEPT_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
 
 
-def private_files(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> tuple[list, list[str]]:
+def private_files(
+    prefixes: tuple[str, ...] = PRIVATE_PREFIXES, skip: frozenset[int] = frozenset()
+) -> tuple[list, list[str]]:
     """The fds of this process open on files in /tmp or /dev/shm, as [(fd, path)], and
     those no clone can reopen (deleted, O_TMPFILE). Listed once by a source before it
-    forks clones (they inherit the same fds), not once in every clone."""
+    forks clones (they inherit the same fds), not once in every clone. ``skip``: fds
+    known to be none of those (the clones' channels and sockets a FORK brought, five a
+    clone: one readlink each otherwise)."""
     files, stuck = [], []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
+        if fd in skip:
+            continue
         try:
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:

@@ -144,3 +144,39 @@ def test_a_subreaper_kills_its_children_and_their_orphans():
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
+
+
+NAMED_CHILDREN = """
+import os, signal, time
+from gym_fork.system.linux import live_children
+
+assert live_children() == [], live_children()  # none at all: the one-call answer
+pid = os.fork()
+if pid == 0:
+    signal.pause()
+    os._exit(0)
+assert [p for p, _name in live_children()] == [pid]
+os.kill(pid, signal.SIGKILL)
+def state():
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+deadline = time.monotonic() + 5
+while state() != "Z" and time.monotonic() < deadline:
+    time.sleep(0.001)
+assert state() == "Z"
+assert live_children() == []  # a zombie is no live child
+assert os.waitpid(pid, os.WNOHANG)[0] == pid  # and was not reaped by the look
+print("ok")
+"""
+
+
+def test_the_named_live_children_of_this_process():
+    """linux.live_children (a FORK's refusal names them): none at all answered by one
+    waitid; a running child named; a zombie left out and left unreaped."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", NAMED_CHILDREN], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "ok", done.stderr

@@ -166,7 +166,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
             clone.others = _runs_without(fds, clone.fds)
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
-        shared = before_forking_clones(worker.scratch, worker.tree_isolation)
+        shared = before_forking_clones(worker.scratch, worker.tree_isolation, frozenset(fds))
         if shared and arg.get("shared_memory") == "refuse":
             envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
             return {"shared_with_source": shared, "envs": envs}
