@@ -61,3 +61,21 @@ def test_a_branch_of_another_size_gets_spaces_batched_for_its_size():
     assert branch.observation_space == batch_space(source.single_observation_space, 5)
     assert branch.action_space == batch_space(source.single_action_space, 5)
     assert len(branch.sub_env_observation_spaces) == 5
+
+
+@pytest.mark.parametrize("bits", [np.random.PCG64, np.random.MT19937, np.random.SFC64])
+def test_a_branchs_copied_generator_draws_as_its_single_spaces_own(bits):
+    """The copy of a batch takes a copy of the single space's generator: set from its
+    state for numpy's PCG64 and Philox, deep-copied for any other; either way it draws
+    what batch_space's would and leaves the single space's untouched."""
+    single = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    source = VectorSpaces(
+        single, batch_space(single, 2), single, batch_space(single, 2), [single] * 2, "same"
+    )
+    single._np_random = np.random.Generator(bits(5))
+    expected = batch_space(single, 2).sample()
+    single._np_random = np.random.Generator(bits(5))
+    branch = source.for_branch("same", [1, 0])
+    assert type(branch.action_space.np_random.bit_generator) is bits
+    assert np.array_equal(branch.action_space.sample(), expected)
+    assert single.np_random.random() == np.random.Generator(bits(5)).random()  # untouched
