@@ -259,13 +259,18 @@ class Host(Protocol):
         ...
 
     def fork_many(
-        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+        self,
+        jobs: Sequence[ForkJob],
+        num_envs: int,
+        ring_capacity: int,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[list[WorkerHandle]]:
         """Clone each job's running, idle source worker once per order (clone k with the
         slab memfd ``slab_fds[k]``; each clone sends a HELLO), the sources working at
         once where the host can; the clones of each job, in order. ``ask_later`` reaches
-        a source through its own vector env. If one fails, every clone made is killed and
-        released."""
+        a source through its own vector env. ``meanwhile`` (work that needs no clone) is
+        called once, while the sources fork where the host can. If one fails, every
+        clone made is killed and released."""
         ...
 
     def alive(self) -> bool:
@@ -335,9 +340,16 @@ class SharedByBranches:
         raise NotImplementedError
 
     def fork_many(
-        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+        self,
+        jobs: Sequence[ForkJob],
+        num_envs: int,
+        ring_capacity: int,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[list[WorkerHandle]]:
-        """One source after the other (hosts whose clones cannot overlap)."""
+        """One source after the other (hosts whose clones cannot overlap); ``meanwhile``
+        first."""
+        if meanwhile is not None:
+            meanwhile()
         made: list[list[WorkerHandle]] = []
         try:
             for job in jobs:

@@ -35,7 +35,10 @@ StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Callable[[], list[W
 
 
 def fork_overlapped(
-    jobs: Sequence[ForkJob], batch: int, start: StartFork
+    jobs: Sequence[ForkJob],
+    batch: int,
+    start: StartFork,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[WorkerHandle]]:
     """The clones of each job, ``batch`` orders per request, every source asked before
     any answer is awaited so that the sources fork at once (hosts whose clones can
@@ -55,6 +58,8 @@ def fork_overlapped(
     try:
         for k in range(len(jobs)):
             start_next(k)
+        if meanwhile is not None:  # every source is forking now
+            meanwhile()
         while pending:
             k, finish = pending.popleft()
             made[k] += finish()

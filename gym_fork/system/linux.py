@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # no stub; CPython's own
 import contextlib
 import ctypes
 import errno

@@ -35,12 +35,17 @@ assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
 def fork_many(
-    host: ProcessHost, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+    host: ProcessHost,
+    jobs: Sequence[ForkJob],
+    num_envs: int,
+    ring_capacity: int,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[WorkerHandle]]:
     """Every source gets its clones' channels, sockets and output pipes on its side
     socket and its FORK request (SPAWN_BATCH clones per request) before any answer
     is awaited, so that the sources fork at once (gym_fork.hosts.batching.fork_overlapped:
-    a source's reply and side-socket answer are matched in order)."""
+    a source's reply and side-socket answer are matched in order); ``meanwhile`` runs
+    then."""
     limits = host.config.isolation.limits
     # A clone's cgroup fds come with its others: fewer clones per message then.
     per_clone = M.FDS_PER_SANDBOX + cgroups.fds_per_clone(limits.memory_bytes, limits.processes)
@@ -48,6 +53,7 @@ def fork_many(
         jobs,
         min(SPAWN_BATCH, MAX_FDS // per_clone),
         lambda job, orders, fds: _start_fork(host, job, orders, fds, num_envs, ring_capacity),
+        meanwhile,
     )
     for handles in made:
         host._register(handles)

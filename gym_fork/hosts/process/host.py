@@ -14,7 +14,7 @@ import socket
 import subprocess
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -301,10 +301,14 @@ class ProcessHost(SharedByBranches):
         ]
 
     def fork_many(
-        self, jobs: Sequence[ForkJob], num_envs: int, ring_capacity: int
+        self,
+        jobs: Sequence[ForkJob],
+        num_envs: int,
+        ring_capacity: int,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[list[WorkerHandle]]:
         """Fork each job's clones from its running source (:func:`forking.fork_many`)."""
-        return forking.fork_many(self, jobs, num_envs, ring_capacity)
+        return forking.fork_many(self, jobs, num_envs, ring_capacity, meanwhile)
 
     def _assign_leased(
         self, lease: Lease, spec: WorkerSpec, slab_fd: int, ring_capacity: int, attach: bytes | None

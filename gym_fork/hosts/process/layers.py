@@ -71,7 +71,7 @@ class TmpLayers:
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
-        layer = source.info["isolation"]["sandbox"].get("tmp_layer_fd") if not why else None
+        layer: int = source.info["isolation"]["sandbox"]["tmp_layer_fd"] if not why else -1
         pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
         if not why and checks.wrote_nothing(pidfd, layer):
             return None  # its clones copy nothing either
