@@ -92,6 +92,7 @@ class Region:
         self, size: int, *, name: str = "gym_fork", fd: int | None = None, offset: int = 0
     ) -> None:
         self.size = size
+        self.inherited = True  # mapped by a process forked from this one (keep_from_forks)
         own = fd is None
         if fd is None:
             fd = sealed_memfd(name, size)
@@ -114,6 +115,17 @@ class Region:
         """
         check_shared_fd(fd, size, offset, name=name)
         return cls(size, fd=fd, offset=offset)
+
+    def keep_from_forks(self) -> bool:
+        """MADV_DONTFORK: a process forked from this one does not map the region at all
+        (a clone gets a channel and a slab of its own: it has nothing to unmap, and its
+        env code never sees its source's). Returns whether the kernel took it."""
+        try:
+            self.map.madvise(mmap.MADV_DONTFORK)
+        except (AttributeError, OSError, ValueError):
+            return False
+        self.inherited = False
+        return True
 
     def forget_fd(self) -> None:
         """Close the fd but keep the mapping (once the region has been handed over)."""

@@ -17,6 +17,7 @@ pidfds of those of a FORK that succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -287,13 +288,38 @@ def _await_snapshots(read_end: int, deadline: float) -> None:
         )
 
 
+# In a clone: its source's channel and slab objects, whose memory the fork did not map
+# here (MADV_DONTFORK). Never touched nor freed: freeing one would unmap its range,
+# where the kernel may have mapped something of the clone's since.
+_NOT_MAPPED_HERE: list[object] = []
+
+
 def _release_source(worker: ProcessWorker) -> None:
     """In a clone: let go of the source's channel, socket and slab (nothing is written
-    to them, only unmapped and closed)."""
-    worker.channel.close()
+    to them). Their mappings are not inherited where the source could keep them from
+    its forks (~0.3 ms and ~90 copy-on-write faults of Python teardown spared): only
+    their fds are closed; else they are unmapped and closed."""
+    regions = [worker.channel.region] + ([worker.slab.region] if worker.slab else [])
+    if all(not region.inherited and region.fd >= 0 for region in regions):
+        _NOT_MAPPED_HERE.append((worker.channel, worker.slab))
+        # Every fd of them goes: the regions' own and the copies each mmap object keeps
+        # (closed by its close(), which would unmap).
+        theirs = set()
+        for region in regions:
+            info = os.fstat(region.fd)
+            theirs.add((info.st_dev, info.st_ino))
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own fd, gone by now
+                info = os.fstat(int(name))
+                if (info.st_dev, info.st_ino) in theirs:
+                    os.close(int(name))
+        for region in regions:
+            region.fd = -1
+    else:
+        worker.channel.close()
+        if worker.slab is not None:
+            worker.slab.close()
     worker.sock.close()
-    if worker.slab is not None:
-        worker.slab.close()
 
 
 def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> NoReturn:

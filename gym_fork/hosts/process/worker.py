@@ -47,10 +47,17 @@ class ProcessWorker(Worker):
         isolation: tuple[IsolationConfig, Any],
     ) -> None:
         super().__init__(channel, indices, origins, make_env, slab_fd)
+        channel.region.keep_from_forks()  # its clones' are their own (sandbox.py)
         self.sock = sock
         self.warm_parent = warm_parent
         self.isolation_config, self.tree_isolation = isolation
         self.scratch: str | None = None
+
+    def open_slab(self, obs_space, act_space, num_envs: int, use_observations: bool) -> Slab:
+        """Its slab, not mapped in the clones it forks (they map their own)."""
+        slab = super().open_slab(obs_space, act_space, num_envs, use_observations)
+        slab.region.keep_from_forks()
+        return slab
 
     def enter_sandbox(self, role: Role, copy_from: str | None = None) -> None:
         """Isolate this freshly forked process as a sandbox of ``role``
