@@ -93,6 +93,8 @@ class Region:
     ) -> None:
         self.size = size
         self.inherited = True  # mapped by a process forked from this one (keep_from_forks)
+        self.identity: tuple[int, int] | None = None  # (device, inode) of its memfd
+        self.fds: list[int] = []  # the fds of it this process held (keep_from_forks)
         own = fd is None
         if fd is None:
             fd = sealed_memfd(name, size)
@@ -119,13 +121,28 @@ class Region:
     def keep_from_forks(self) -> bool:
         """MADV_DONTFORK: a process forked from this one does not map the region at all
         (a clone gets a channel and a slab of its own: it has nothing to unmap, and its
-        env code never sees its source's). Returns whether the kernel took it."""
+        env code never sees its source's), but inherits its fds: :attr:`fds` lists them
+        (the mmap object's own copy included), with :attr:`identity`, for a fork to
+        close. Returns whether the kernel took it."""
+        if self.fd < 0:
+            return False
         try:
             self.map.madvise(mmap.MADV_DONTFORK)
         except (AttributeError, OSError, ValueError):
             return False
         self.inherited = False
+        info = os.fstat(self.fd)
+        self.identity = (info.st_dev, info.st_ino)
+        self.fds = [fd for fd in _open_fds() if _identity(fd) == self.identity]
         return True
+
+    def close_inherited_fds(self) -> None:
+        """In a process forked from one whose region this is (kept from its forks): close
+        the fds of the region it inherited, each checked to be the region's still."""
+        for fd in self.fds:
+            if _identity(fd) == self.identity:
+                os.close(fd)
+        self.fd = -1
 
     def forget_fd(self) -> None:
         """Close the fd but keep the mapping (once the region has been handed over)."""
@@ -143,3 +160,16 @@ class Region:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _open_fds() -> list[int]:
+    return [int(name) for name in os.listdir("/proc/self/fd")]
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """(device, inode) of what ``fd`` is open on; None where it is not open."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

@@ -17,7 +17,6 @@ pidfds of those of a FORK that succeeds.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import socket
@@ -300,21 +299,10 @@ def _release_source(worker: ProcessWorker) -> None:
     its forks (~0.3 ms and ~90 copy-on-write faults of Python teardown spared): only
     their fds are closed; else they are unmapped and closed."""
     regions = [worker.channel.region] + ([worker.slab.region] if worker.slab else [])
-    if all(not region.inherited and region.fd >= 0 for region in regions):
+    if all(not region.inherited for region in regions):
         _NOT_MAPPED_HERE.append((worker.channel, worker.slab))
-        # Every fd of them goes: the regions' own and the copies each mmap object keeps
-        # (closed by its close(), which would unmap).
-        theirs = set()
-        for region in regions:
-            info = os.fstat(region.fd)
-            theirs.add((info.st_dev, info.st_ino))
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):  # the listing's own fd, gone by now
-                info = os.fstat(int(name))
-                if (info.st_dev, info.st_ino) in theirs:
-                    os.close(int(name))
-        for region in regions:
-            region.fd = -1
+        for region in regions:  # the mmap objects' own copies too (their close unmaps)
+            region.close_inherited_fds()
     else:
         worker.channel.close()
         if worker.slab is not None:
