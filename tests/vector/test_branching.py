@@ -46,7 +46,26 @@ def have_ale() -> bool:
     return importlib.util.find_spec("ale_py") is not None
 
 
+class PythonRandomWalk(gym.Env):
+    """Draws from Python's global ``random`` module (many text and agent envs do)."""
+
+    observation_space = spaces.Box(-1e9, 1e9, (1,), np.float64)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = 0.0
+        return np.array([self.x]), {}
+
+    def step(self, action):
+        import random
+
+        self.x += random.random() - 0.5 + int(action)
+        return np.array([self.x]), random.random(), False, False, {}
+
+
 REPLAY_ENVS = {
+    "python-random": (PythonRandomWalk, 2, 20),
     "frozenlake-slippery": (frozen_lake, 4, 40),
     "cartpole": (cartpole, 2, 40),
     "cstate-walk": (CStateWalk, 3, 30),
@@ -57,6 +76,32 @@ REPLAY_ENVS = {
 def steps_of(envs, actions):
     out = envs.step(actions)
     return [np.array(x) for x in out[:4]]
+
+
+def test_a_branch_draws_what_its_source_draws_from_the_random_module():
+    """CPython reseeds ``random`` in every forked child; a clone has its source's state
+    back (and a reseeded one its own draws)."""
+    envs = ForkVectorEnv([PythonRandomWalk], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.array([1]))
+        same = envs.fork("same", copies=2)
+        reseeded = envs.fork("reseeded", copies=2, reseed=5)
+        try:
+            for _ in range(5):
+                src = steps_of(envs, np.array([0]))
+                br = steps_of(same, np.array([0, 0]))
+                rs = steps_of(reseeded, np.array([0, 0]))
+                assert all(
+                    np.array_equal(s[0], b[k]) for s, b in zip(src, br, strict=True) for k in (0, 1)
+                )
+            assert not np.array_equal(rs[1][0], rs[1][1])  # seeds 5 and 6: their own draws
+            assert not np.array_equal(src[1][0], rs[1][0])
+        finally:
+            same.close()
+            reseeded.close()
+    finally:
+        envs.close()
 
 
 @pytest.mark.slow  # 2.2 s here

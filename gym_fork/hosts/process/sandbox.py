@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import socket
 import sys
 import time
@@ -219,6 +220,9 @@ class _FanOut:
     # known to no one else.
     commit: int = -1
     deadline: float = 0.0  # time.monotonic() past which the FORK has failed for certain
+    # The source's ``random`` module state: CPython reseeds it in every forked child
+    # (an at-fork hook), which would make a branch's draws differ from its source's.
+    random_state: Any = None
 
 
 def _fork_siblings(
@@ -245,6 +249,7 @@ def _fork_siblings(
     cores = len(os.sched_getaffinity(0)) or 1
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end, handed)
     fan.commit, fan.deadline = commit[0], deadline + COMMIT_GRACE
+    fan.random_state = random.getstate()
     gate_write = -1
     if has_threads() or not can_fork_sibling():
         fan.gate, gate_write = os.pipe()
@@ -315,6 +320,7 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
     slab_fd, channel_fd, sock_fd, out_fd, err_fd = clone.fds[: M.FDS_PER_SANDBOX]
 
     def body() -> None:
+        random.setstate(fan.random_state)  # replays its source's draws (reseed: its own)
         handed = fan.handed
         if handed.cgroups or handed.cgroup_errors:  # first: its pages are its own from here
             limits = worker.isolation_config.limits
