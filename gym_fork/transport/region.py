@@ -94,7 +94,7 @@ class Region:
         self.size = size
         self.inherited = True  # mapped by a process forked from this one (keep_from_forks)
         self.identity: tuple[int, int] | None = None  # (device, inode) of its memfd
-        self.fds: list[int] = []  # the fds of it this process held (keep_from_forks)
+        self._held: list[int] | None = None  # held_fds(), once looked for
         own = fd is None
         if fd is None:
             fd = sealed_memfd(name, size)
@@ -121,9 +121,8 @@ class Region:
     def keep_from_forks(self) -> bool:
         """MADV_DONTFORK: a process forked from this one does not map the region at all
         (a clone gets a channel and a slab of its own: it has nothing to unmap, and its
-        env code never sees its source's), but inherits its fds: :attr:`fds` lists them
-        (the mmap object's own copy included), with :attr:`identity`, for a fork to
-        close. Returns whether the kernel took it."""
+        env code never sees its source's), but inherits its fds: :meth:`held_fds` lists
+        them for a fork to close. Returns whether the kernel took it."""
         if self.fd < 0:
             return False
         try:
@@ -131,15 +130,23 @@ class Region:
         except (AttributeError, OSError, ValueError):
             return False
         self.inherited = False
-        info = os.fstat(self.fd)
-        self.identity = (info.st_dev, info.st_ino)
-        self.fds = [fd for fd in _open_fds() if _identity(fd) == self.identity]
         return True
 
+    def held_fds(self, skip: frozenset[int] = frozenset()) -> list[int]:
+        """The fds of this region this process holds (its own and the mmap object's copy,
+        which only the mmap's close closes), looked for once (``skip``: fds known to be
+        others) and remembered: what a process forked from this one closes."""
+        if self._held is None:
+            info = os.fstat(self.fd)
+            self.identity = (info.st_dev, info.st_ino)
+            mine = [fd for fd in _open_fds() if fd not in skip]
+            self._held = [fd for fd in mine if _identity(fd) == self.identity]
+        return self._held
+
     def close_inherited_fds(self) -> None:
-        """In a process forked from one whose region this is (kept from its forks): close
-        the fds of the region it inherited, each checked to be the region's still."""
-        for fd in self.fds:
+        """In a process forked from one that kept this region from its forks: close the
+        fds of it inherited (:meth:`held_fds`), each checked to be the region's still."""
+        for fd in self.held_fds():
             if _identity(fd) == self.identity:
                 os.close(fd)
         self.fd = -1

@@ -42,6 +42,7 @@ from gym_fork.system.linux import (
 )
 from gym_fork.system.sandbox_isolation import adopt_frozen_layer, before_forking_clones
 from gym_fork.transport.channel import Channel
+from gym_fork.transport.region import Region
 from gym_fork.worker.loop import SubEnvSlot
 
 if TYPE_CHECKING:
@@ -167,10 +168,13 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
             clone.others = _runs_without(fds, clone.fds)
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
-        shared = before_forking_clones(worker.scratch, worker.tree_isolation, frozenset(fds))
+        handed_fds = frozenset(fds)
+        shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds)
         if shared and arg.get("shared_memory") == "refuse":
             envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
             return {"shared_with_source": shared, "envs": envs}
+        for region in _own_regions(worker):  # what its clones close (looked for once)
+            region.held_fds(skip=handed_fds)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
         commit = os.pipe()
         try:
@@ -298,12 +302,17 @@ def _await_snapshots(read_end: int, deadline: float) -> None:
 _NOT_MAPPED_HERE: list[object] = []
 
 
+def _own_regions(worker: ProcessWorker) -> list[Region]:
+    """A worker's channel's and slab's shared memory."""
+    return [worker.channel.region] + ([worker.slab.region] if worker.slab else [])
+
+
 def _release_source(worker: ProcessWorker) -> None:
     """In a clone: let go of the source's channel, socket and slab (nothing is written
     to them). Their mappings are not inherited where the source could keep them from
     its forks (~0.3 ms and ~90 copy-on-write faults of Python teardown spared): only
     their fds are closed; else they are unmapped and closed."""
-    regions = [worker.channel.region] + ([worker.slab.region] if worker.slab else [])
+    regions = _own_regions(worker)
     if all(not region.inherited for region in regions):
         _NOT_MAPPED_HERE.append((worker.channel, worker.slab))
         for region in regions:  # the mmap objects' own copies too (their close unmaps)
