@@ -53,13 +53,18 @@ def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
                 pending.append((src, dst, False))
                 directories.append((dst, info))
             elif stat.S_ISLNK(mode):
-                with contextlib.suppress(FileExistsError):
+                # FileNotFoundError: removed since it was listed (a thread of the source's
+                # went on): not copied, as if listed a moment later.
+                with contextlib.suppress(FileExistsError, FileNotFoundError):
                     os.symlink(os.readlink(src), dst)
             elif stat.S_ISREG(mode):
                 if info.st_nlink > 1 and info.st_ino in links:
                     os.link(links[info.st_ino], dst)
                     continue
-                _copy_file(src, dst, info)
+                try:
+                    _copy_file(src, dst, info)
+                except FileNotFoundError:
+                    continue  # removed since it was listed
                 if info.st_nlink > 1:
                     links[info.st_ino] = dst
             # devices (an overlay's whiteouts), fifos, sockets: not copied
