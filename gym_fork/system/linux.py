@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # no stub; CPython's own
 import contextlib
 import ctypes
 import errno
@@ -186,10 +185,7 @@ CLONE_CHILD_SETTID = 0x01000000
 # Per machine: the numbers of clone, set_robust_list and get_robust_list, and where
 # clone's child_tid argument goes (after tls on arm64).
 _SYSCALLS = {"x86_64": (56, 273, 274, 3), "aarch64": (220, 99, 100, 4)}
-# Every signal, as plain ints: signal.pthread_sigmask turns each number of the mask it
-# returns into a Signals member (~0.1 ms for a full mask, twice per fork); _signal's
-# does not.
-_ALL_SIGNALS = frozenset(_signal.valid_signals())
+_SIGSET_BYTES = 128  # glibc's sigset_t
 # Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
 # holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
 _GLIBC_TID_OFFSET = 0x2D0
@@ -207,6 +203,17 @@ class _RawClone:
         libc.pthread_self.restype = ctypes.c_void_p
         self.pthread_self = libc.pthread_self
         self.machine = machine
+        # Looked up here, not in each child (a lookup there allocates, and every page a
+        # child writes is a copy-on-write fault of its own).
+        api = ctypes.pythonapi  # void functions: their int restype is ignored
+        self.before_fork = api.PyOS_BeforeFork
+        self.after_fork_child = api.PyOS_AfterFork_Child
+        self.after_fork_parent = api.PyOS_AfterFork_Parent
+        self.set_robust_number = ctypes.c_long(self.set_robust)
+        # pthread_sigmask on sigset_t buffers: the child restores its mask without making
+        # a Python set of what it was (signal's and _signal's return one).
+        self.sigmask = libc.pthread_sigmask
+        self.all_signals = (ctypes.c_ubyte * _SIGSET_BYTES)(*([0xFF] * _SIGSET_BYTES))
 
     @property
     def tid_at(self) -> int | None:
@@ -239,7 +246,7 @@ class _RawClone:
         )
         pid = self.syscall(ctypes.c_long(self.clone), ctypes.c_ulong(flags), *args)
         if pid == 0 and robust == 0 and head.value:
-            self.syscall(ctypes.c_long(self.set_robust), head, size)
+            self.syscall(self.set_robust_number, head, size)
         return pid, pidfd.value if pid > 0 else -1
 
 
@@ -261,14 +268,17 @@ def fork_sibling() -> tuple[int, int]:
         raise OSError(errno.ENOSYS, "fork_sibling: not on this platform (can_fork_sibling)")
     sys.stdout.flush()
     sys.stderr.flush()
-    api = ctypes.pythonapi  # void functions: their int restype is ignored
     # os.fork() runs its hooks and the fork in C; here they are Python calls, so signals
     # are held off meanwhile: a handler raising between PyOS_BeforeFork and AfterFork
     # would leave the import lock held (or a clone made and its pid lost).
-    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _ALL_SIGNALS)
+    # (signal.pthread_sigmask would make a Signals member of each number of the full mask
+    # it returns when restoring, ~0.1 ms, twice a fork.)
+    mask = (ctypes.c_ubyte * _SIGSET_BYTES)()
+    if clone.sigmask(signal.SIG_BLOCK, clone.all_signals, mask) != 0:
+        raise OSError(errno.EINVAL, "fork_sibling: the signal mask could not be set")
     pid, pidfd, err = -1, -1, 0
     try:
-        api.PyOS_BeforeFork()
+        clone.before_fork()
         try:
             # After the fork hooks (one may start a thread): no other thread may hold a
             # lock of the C library, whose own fork handlers do not run here.
@@ -279,11 +289,11 @@ def fork_sibling() -> tuple[int, int]:
                 err = ctypes.get_errno()
         finally:
             if pid == 0:
-                api.PyOS_AfterFork_Child()
+                clone.after_fork_child()
             else:
-                api.PyOS_AfterFork_Parent()
+                clone.after_fork_parent()
     finally:
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+        clone.sigmask(signal.SIG_SETMASK, mask, None)
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
     return pid, pidfd

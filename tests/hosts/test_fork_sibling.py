@@ -30,7 +30,7 @@ def _ppid(pid: int) -> int:
 
 # Run in a fresh interpreter: os.register_at_fork hooks cannot be taken back.
 _SIBLING = """
-import ctypes, os, platform, threading
+import ctypes, os, platform, signal, threading
 from gym_fork.system import linux
 
 def robust_head():
@@ -52,10 +52,12 @@ if middle == 0:
         os.close(read_end)
         hooks.clear()
         robust = robust_head()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # kept by both sides
         pid, pidfd = linux.fork_sibling()
         if pid == 0:
             tid_ok = robust_head() == robust != 0  # registered again, as glibc's fork does
             tid_ok &= pidfd == -1
+            tid_ok &= signal.pthread_sigmask(signal.SIG_BLOCK, []) == {signal.SIGUSR1}
             if platform.machine() == "x86_64":
                 libc = ctypes.CDLL(None)
                 libc.pthread_self.restype = ctypes.c_void_p
@@ -66,6 +68,8 @@ if middle == 0:
         code = 0 if hooks == [] else 2  # the child's hook ran in the child only
         if linux.pidfd_pids(pidfd) != [pid]:
             code = 3  # CLONE_PIDFD: we hold a pidfd of the sibling
+        if signal.pthread_sigmask(signal.SIG_BLOCK, []) != {signal.SIGUSR1}:
+            code = 4  # the mask held off during the fork is the caller's again
     finally:
         os._exit(code)
 os.close(write_end)
