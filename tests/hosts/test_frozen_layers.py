@@ -732,30 +732,3 @@ def test_two_threads_forking_two_sources_of_one_host_each_get_their_own_layer():
             first.close()
     finally:
         envs.close()
-
-
-def test_a_source_that_wrote_nothing_forks_without_the_layer_helper():
-    """The controller sees an empty upper itself (layer_checks.wrote_nothing): no helper
-    is started for it; the first write makes the next fork freeze as before."""
-    envs = ForkVectorEnv([Workspace], lineage_log=False)
-    try:
-        envs.reset(seed=0)
-        layers = envs.sandboxes.host.tmp_layers
-        branch = envs.fork("b")
-        try:
-            assert layers.helper is None and not layers.swap_ms
-            assert branch.call("layers")[0] == 0 and envs.call("layers")[0] == 0
-            branch.call("write", "/tmp/ws/mine.txt", "branch\n")
-            assert envs.call("read", "/tmp/ws/mine.txt")[0] is None
-        finally:
-            branch.close()
-        envs.call("write", "/tmp/ws/f.txt", "source\n")
-        later = envs.fork("c")
-        try:
-            assert layers.helper is not None and len(layers.swap_ms) == 1
-            assert later.call("layers")[0] == 1
-            assert later.call("read", "/tmp/ws/f.txt")[0] == "source\n"
-        finally:
-            later.close()
-    finally:
-        envs.close()

@@ -20,7 +20,6 @@ from gym_fork import knobs
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.hosts.process import zygote
 from gym_fork.system import frozen_layers
-from gym_fork.system import layer_checks as checks
 from gym_fork.system.host_view import TREE_TMP_VIEW
 from gym_fork.system.isolation import IsolationConfig
 from gym_fork.system.layer_helper import LayerHelper
@@ -71,10 +70,6 @@ class TmpLayers:
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
-        layer: int = source.info["isolation"]["sandbox"]["tmp_layer_fd"] if not why else -1
-        pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
-        if not why and checks.wrote_nothing(pidfd, layer):
-            return None  # its clones copy nothing either
         if not why:
             asked = time.perf_counter()
             try:
@@ -82,6 +77,8 @@ class TmpLayers:
                     if self.helper is None:
                         size = self.isolation.layer_bytes()
                         self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
+                layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
+                pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
                 fd, _depth, token = self.helper.freeze(
                     pidfd, layer, self.isolation.layer_bytes(), TREE_TMP_VIEW
                 )
