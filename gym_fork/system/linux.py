@@ -186,6 +186,7 @@ CLONE_CHILD_SETTID = 0x01000000
 # clone's child_tid argument goes (after tls on arm64).
 _SYSCALLS = {"x86_64": (56, 273, 274, 3), "aarch64": (220, 99, 100, 4)}
 _SIGSET_BYTES = 128  # glibc's sigset_t
+_WALL = 0x40000000  # wait(2)'s __WALL
 # Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
 # holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
 _GLIBC_TID_OFFSET = 0x2D0
@@ -303,7 +304,8 @@ def live_children() -> list[tuple[int, str]]:
     """(pid, command name) of this process's children that have not exited (zombies
     left out), from /proc; empty where /proc cannot tell."""
     try:  # no child at all, the usual case: one call, not a read of every /proc entry
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        # __WALL: children whose exit signal is not SIGCHLD (a raw clone) count too.
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT | _WALL)
     except ChildProcessError:
         return []
     me = os.getpid()

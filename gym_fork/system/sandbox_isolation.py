@@ -194,8 +194,13 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
         host_view.reenter_working_directory()  # else it writes its source's /tmp
         achieved.sandbox["private_tmp"] = achieved.sandbox["private_shm"] = True
     except OSError as exc:
-        achieved.missing["private_tmp"] = f"a clone's own /tmp and /dev/shm: {exc}"
-        return
+        # Its mount namespace is a copy of its source's: /tmp is still the source's layer,
+        # and running on it would write the source's files. The fork fails instead.
+        raise OSError(
+            exc.errno,
+            f"fork: a clone's own /tmp and /dev/shm could not be made ({exc}); it would "
+            "have written its source's",
+        ) from exc
     # What it inherited open or mapped from its source (listed by the source before the
     # fork): files reopened on the copies, shared mappings (a fork cannot copy them)
     # reported.

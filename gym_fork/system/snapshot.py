@@ -10,6 +10,7 @@ holds, not 1 GiB of the clone's layer) and hard links (one file stays one file).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -63,8 +64,10 @@ def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
                     continue
                 try:
                     _copy_file(src, dst, info)
-                except FileNotFoundError:
-                    continue  # removed since it was listed
+                except OSError:
+                    if _changed_since(src, info):
+                        continue  # removed or replaced since it was listed (a whiteout...)
+                    raise
                 if info.st_nlink > 1:
                     links[info.st_ino] = dst
             # devices (an overlay's whiteouts), fifos, sockets: not copied
@@ -72,10 +75,27 @@ def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
         _copy_metadata(path, info)
 
 
+def _changed_since(path: str, info: os.stat_result) -> bool:
+    """Is ``path`` gone, or another file than the one ``info`` describes (a thread of the
+    source's removed it, or replaced it: an overlay shows a removed file of a lower layer
+    as a whiteout, a device that cannot be opened)?"""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    same = (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode))
+    return same != (info.st_dev, info.st_ino, stat.S_IFMT(info.st_mode))
+
+
 def _copy_file(src: str, dst: str, info: os.stat_result) -> None:
+    """Copy the regular file ``src`` listed as ``info`` (OSError if what opens is not it:
+    the caller skips what changed since it was listed)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     src_fd = os.open(src, flags)
     try:
+        now = os.fstat(src_fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise FileNotFoundError(errno.ENOENT, "replaced since it was listed", src)
         dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             _copy_data(src_fd, dst_fd, info.st_size)

@@ -92,17 +92,17 @@ def clone_sandboxes(
         ):
             branch.pool.workers = _fork_workers(sandboxes, branch, plan, shared_memory, meanwhile)
             branch.receive_hellos(branch.pool.workers)
+        opened = Opened(
+            branch,
+            done["spaces"],
+            source.metadata,
+            source.render_mode,
+            source.obs_in_slab,
+            done["observations"],
+        )
     except BaseException:
         branch.teardown(terminate=True)
         raise
-    opened = Opened(
-        branch,
-        done["spaces"],
-        source.metadata,
-        source.render_mode,
-        source.obs_in_slab,
-        done["observations"],
-    )
     return opened, time.perf_counter() - started
 
 

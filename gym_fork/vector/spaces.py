@@ -141,11 +141,15 @@ _STATEFUL_BIT_GENERATORS = (np.random.PCG64, np.random.PCG64DXSM, np.random.Phil
 
 
 def _copy_generator(generator: np.random.Generator) -> np.random.Generator:
-    """A generator that draws what ``generator`` would draw from now on (independent)."""
+    """A generator that draws (and spawns) what ``generator`` would from now on,
+    independent of it: what ``copy.deepcopy`` makes."""
     bits = generator.bit_generator
-    if type(bits) not in _STATEFUL_BIT_GENERATORS:
+    if type(generator) is not np.random.Generator or type(bits) not in _STATEFUL_BIT_GENERATORS:
         return copy.deepcopy(generator)
-    fresh = type(bits)()
+    seeds = bits.seed_seq
+    if not isinstance(seeds, np.random.SeedSequence):
+        return copy.deepcopy(generator)
+    fresh = type(bits)(copy.deepcopy(seeds))
     fresh.state = bits.state
     return np.random.Generator(fresh)
 

@@ -732,3 +732,39 @@ def test_two_threads_forking_two_sources_of_one_host_each_get_their_own_layer():
             first.close()
     finally:
         envs.close()
+
+
+class CopyFailsIntoClones(Workspace):
+    """Makes a clone's copy of its /tmp writes fail, but not a copy into a scratch
+    directory: what an entry replaced mid-copy did (an overlay whiteout: EACCES)."""
+
+    def break_the_copy(self):
+        from gym_fork.system import sandbox_isolation
+
+        real = sandbox_isolation.copy_tree
+
+        def failing(source, target, *args, **kwargs):
+            if "scratch" not in target:
+                raise PermissionError(13, "made to fail here", source)
+            return real(source, target, *args, **kwargs)
+
+        sandbox_isolation.copy_tree = failing  # the clones inherit it
+
+
+def test_a_clone_whose_own_tmp_cannot_be_made_fails_the_fork(monkeypatch):
+    """It used to go on with its source's /tmp (its mount namespace's copy) and a
+    warning: the branch's writes landed in the source's files."""
+    from gym_fork.errors import GymForkError
+
+    monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")  # clones copy the source's writes
+    envs = ForkVectorEnv([CopyFailsIntoClones], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "source\n")
+        envs.call("break_the_copy")
+        with pytest.raises(GymForkError, match="own /tmp"):
+            envs.fork("b")
+        assert envs.call("read", "/tmp/ws/f.txt")[0] == "source\n"  # the source goes on
+        assert envs.call("listing", "/tmp/ws")[0] == ["f.txt"]
+    finally:
+        envs.close()

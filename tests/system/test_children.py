@@ -166,13 +166,23 @@ while state() != "Z" and time.monotonic() < deadline:
 assert state() == "Z"
 assert live_children() == []  # a zombie is no live child
 assert os.waitpid(pid, os.WNOHANG)[0] == pid  # and was not reaped by the look
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+raw = libc.syscall(56, 0, 0, 0, 0, 0)  # clone(2), exit signal 0: waitid sees it with __WALL only
+if raw == 0:
+    libc.syscall(34)  # pause()
+    libc.syscall(60, 0)
+assert [p for p, _name in live_children()] == [raw], live_children()
+os.kill(raw, signal.SIGKILL)
+os.waitid(os.P_PID, raw, os.WEXITED | 0x40000000)
 print("ok")
 """
 
 
 def test_the_named_live_children_of_this_process():
     """linux.live_children (a FORK's refusal names them): none at all answered by one
-    waitid; a running child named; a zombie left out and left unreaped."""
+    waitid; a running child named, one whose exit signal is not SIGCHLD too; a zombie
+    left out and left unreaped."""
     import subprocess
     import sys
 

@@ -9,12 +9,13 @@ import os
 from gym_fork.system import snapshot
 
 
-def test_entries_removed_while_they_are_copied_are_skipped(tmp_path, monkeypatch):
+def test_entries_removed_or_replaced_while_they_are_copied_are_skipped(tmp_path, monkeypatch):
     source, target = tmp_path / "source", tmp_path / "target"
     source.mkdir()
     target.mkdir()
     (source / "kept.txt").write_text("kept")
     (source / "gone.txt").write_text("gone")
+    (source / "swapped.txt").write_text("swapped")
     (source / "sub").mkdir()
     (source / "sub" / "deep.txt").write_text("deep")
     os.symlink("kept.txt", source / "link")
@@ -24,6 +25,9 @@ def test_entries_removed_while_they_are_copied_are_skipped(tmp_path, monkeypatch
     def removed_first(src, dst, info):
         if src.endswith("gone.txt"):
             os.unlink(src)  # a thread of the source's, between the listing and the copy
+        if src.endswith("swapped.txt"):  # replaced by another kind of entry (a whiteout...)
+            os.unlink(src)
+            os.mkfifo(src)
         copy_file(src, dst, info)
 
     def link_removed_first(path, *args, **kwargs):

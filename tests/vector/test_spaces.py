@@ -79,3 +79,9 @@ def test_a_branchs_copied_generator_draws_as_its_single_spaces_own(bits):
     assert type(branch.action_space.np_random.bit_generator) is bits
     assert np.array_equal(branch.action_space.sample(), expected)
     assert single.np_random.random() == np.random.Generator(bits(5)).random()  # untouched
+    # what it spawns too: a deep copy's (its seed sequence copied, not a fresh one)
+    single._np_random = np.random.Generator(bits(np.random.SeedSequence(9)))
+    expected = [g.random() for g in batch_space(single, 2).np_random.spawn(2)]
+    single._np_random = np.random.Generator(bits(np.random.SeedSequence(9)))
+    branch = source.for_branch("same", [1, 0])
+    assert [g.random() for g in branch.action_space.np_random.spawn(2)] == expected

@@ -309,18 +309,17 @@ def _own_regions(worker: ProcessWorker) -> list[Region]:
 
 def _release_source(worker: ProcessWorker) -> None:
     """In a clone: let go of the source's channel, socket and slab (nothing is written
-    to them). Their mappings are not inherited where the source could keep them from
-    its forks (~0.3 ms and ~90 copy-on-write faults of Python teardown spared): only
-    their fds are closed; else they are unmapped and closed."""
-    regions = _own_regions(worker)
-    if all(not region.inherited for region in regions):
-        _NOT_MAPPED_HERE.append((worker.channel, worker.slab))
-        for region in regions:  # the mmap objects' own copies too (their close unmaps)
-            region.close_inherited_fds()
-    else:
+    to them). A mapping the source kept from its forks was never inherited (~0.3 ms and
+    ~90 copy-on-write faults of Python teardown spared): only its fds are closed; one
+    inherited is unmapped and closed."""
+    kept = [part for part in (worker.channel, worker.slab) if part and not part.region.inherited]
+    _NOT_MAPPED_HERE.append(kept)  # never freed: that would unmap what may be ours now
+    for part in kept:
+        part.region.close_inherited_fds()
+    if worker.channel not in kept:
         worker.channel.close()
-        if worker.slab is not None:
-            worker.slab.close()
+    if worker.slab is not None and worker.slab not in kept:
+        worker.slab.close()
     worker.sock.close()
 
 
