@@ -258,6 +258,12 @@ class Host(Protocol):
         ``attach``, the pickled attach argument, it maps its slab first)."""
         ...
 
+    def fork_soon(self, sources: Sequence[WorkerHandle]) -> None:
+        """A fork of ``sources`` begins (its fork_many follows): start what can go on
+        while the controller prepares it. Nothing a fork that never comes would need
+        undone."""
+        ...
+
     def fork_many(
         self,
         jobs: Sequence[ForkJob],
@@ -338,6 +344,9 @@ class SharedByBranches:
         ask: AskWorker,
     ) -> list[WorkerHandle]:  # pragma: no cover - every host defines it
         raise NotImplementedError
+
+    def fork_soon(self, sources: Sequence[WorkerHandle]) -> None:
+        """Nothing to start ahead of a fork."""
 
     def fork_many(
         self,

@@ -243,6 +243,29 @@ def _move_late_entries(src: int, dst: int) -> None:
             return
 
 
+def wrote_since(pidfd: int, layer_number: int) -> bool:
+    """Run by the layer helper: has the sandbox ``pidfd`` anything in its private layer
+    (its fd ``layer_number``) to freeze? Read-only (the controller asks it ahead of a
+    fork, and may never use the answer); True where it cannot tell (the freeze decides)."""
+    try:
+        layer = checks.their_fd(pidfd, layer_number)
+    except FreezeRefused:
+        return True
+    try:
+        checks.check_is_tmpfs_directory(layer)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        upper = os.open("upper", flags, dir_fd=layer)
+        try:
+            with os.scandir(upper) as entries:
+                return next(entries, None) is not None
+        finally:
+            os.close(upper)
+    except (OSError, FreezeRefused):
+        return True
+    finally:
+        os.close(layer)
+
+
 def freeze(
     pidfd: int, layer_number: int, size_bytes: int, base: str
 ) -> tuple[int, int, int | None]:

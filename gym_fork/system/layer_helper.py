@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the helper imports as little as it can: it starts at a first fork
-    from typing import Any
+    from typing import Any, NoReturn
 
     from gym_fork.system.linux import ProcessWatch
 
@@ -42,7 +42,9 @@ class LayerHelper:
         """``size_bytes``: the upper layers' size (the helper makes the next one ahead).
         ``forked``: a helper a zygote forked already (our end of its socket, a watch of
         it); without it a fresh interpreter is started."""
-        import subprocess  # the controller's end only: the helper itself imports neither
+        import collections  # the controller's end only: the helper itself imports none
+        import itertools
+        import subprocess
         import threading
 
         self.process: subprocess.Popen | None = None  # ours to reap, where we started it
@@ -65,17 +67,50 @@ class LayerHelper:
                 theirs.close()
             self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
-        # One request and its answer at a time: two threads forking two sources of one
-        # host must not take each other's answer (and new layer fd).
+        # The helper answers in the order it was asked: each request gets a number, each
+        # answer read goes to the oldest number unanswered, and is kept until its asker
+        # takes it (two threads forking two sources of one host never take each other's
+        # answer, nor new layer fd). The lock covers one send or one read.
         self._asking = threading.Lock()
+        self._numbers = itertools.count()
+        self._unanswered: collections.deque[int] = collections.deque()
+        self._answers: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self._abandoned: set[int] = set()  # their answers are dropped when read
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
+        self.asked: dict[str, int] = {}  # requests sent, by op
 
     def alive(self) -> bool:
         """Whether the helper process still runs."""
         if self.process is not None:
             return self.process.poll() is None
         return self.watch is not None and self.watch.alive()
+
+    def ask_wrote_since(self, pidfd: int, layer_fd: int) -> int:
+        """Ask, without waiting, whether the sandbox ``pidfd`` wrote anything in its
+        private layer (fd ``layer_fd`` of its) to freeze: the number to pass to
+        :meth:`wrote_since` for the answer, or to :meth:`forget`. RuntimeError where the
+        helper is broken."""
+        return self._send({"op": "check", "layer_fd": layer_fd}, [pidfd])
+
+    def wrote_since(self, number: int) -> bool:
+        """The answer to :meth:`ask_wrote_since` ``number``: True unless the helper saw an
+        empty layer (or broke: the freeze asked next says why)."""
+        try:
+            answer, fds = self._answer(number)
+        except RuntimeError:
+            return True
+        for fd in fds:
+            os.close(fd)
+        return answer.get("writes") is not False
+
+    def forget(self, number: int) -> None:
+        """An answer asked for and no longer wanted (its fork failed first)."""
+        with self._asking:
+            if number in self._unanswered:
+                self._abandoned.add(number)
+            for fd in self._answers.pop(number, ({}, []))[1]:
+                os.close(fd)
 
     def freeze(
         self, pidfd: int, layer_fd: int, size_bytes: int, base: str
@@ -110,25 +145,57 @@ class LayerHelper:
         return "" if answer.get("sealed") else str(answer.get("why"))
 
     def _ask(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        return self._answer(self._send(request, fds))
+
+    def _send(self, request: dict[str, Any], fds: list[int]) -> int:
         with self._asking:
             if self.broken:
                 raise RuntimeError(self.broken)
-            got: list[int] = []
+            number = next(self._numbers)
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-                data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
-                if not data:
-                    raise EOFError("it ended")
-                answer = json.loads(data)
-                if not isinstance(answer, dict):
-                    raise ValueError(f"an answer that is no object: {answer!r:.100}")
-            except (OSError, EOFError, ValueError) as exc:  # timeout included
-                for fd in got:
-                    os.close(fd)
-                self.broken = f"the layer helper did not answer ({exc})"
-                self._end()
-                raise RuntimeError(self.broken) from exc
-            return answer, got
+            except OSError as exc:  # timeout included
+                self._break(f"the layer helper did not take a request ({exc})", exc)
+            self._unanswered.append(number)
+            op = str(request.get("op", "freeze"))
+            self.asked[op] = self.asked.get(op, 0) + 1
+            return number
+
+    def _answer(self, number: int) -> tuple[dict[str, Any], list[int]]:
+        """Answer ``number``, reading (in order) the answers asked before it first."""
+        with self._asking:
+            while number not in self._answers:
+                if self.broken:
+                    raise RuntimeError(self.broken)
+                got: list[int] = []
+                try:
+                    data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+                    if not data:
+                        raise EOFError("it ended")
+                    answer = json.loads(data)
+                    if not isinstance(answer, dict):
+                        raise ValueError(f"an answer that is no object: {answer!r:.100}")
+                    if not self._unanswered:
+                        raise ValueError("an answer nobody asked for")
+                except (OSError, EOFError, ValueError) as exc:  # timeout included
+                    for fd in got:
+                        os.close(fd)
+                    self._break(f"the layer helper did not answer ({exc})", exc)
+                oldest = self._unanswered.popleft()
+                if oldest in self._abandoned:
+                    self._abandoned.discard(oldest)
+                    for fd in got:
+                        os.close(fd)
+                else:
+                    self._answers[oldest] = (answer, got)
+            return self._answers.pop(number)
+
+    def _break(self, why: str, cause: BaseException) -> NoReturn:
+        """With the lock held: no request is asked any more; end the helper."""
+        self.broken = why
+        self._unanswered.clear()
+        self._end()
+        raise RuntimeError(why) from cause
 
     def close(self) -> None:
         """End the helper (EOF on its socket), killed if it takes more than a second."""
@@ -210,7 +277,11 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
         new = -1
         try:
             request = json.loads(data)
-            if request.get("op") == "seal":
+            if request.get("op") == "check":  # read-only: asked ahead of a fork
+                if len(fds) != 1:
+                    raise frozen_layers.FreezeRefused("no pidfd came with the request")
+                answer = {"writes": frozen_layers.wrote_since(fds[0], int(request["layer_fd"]))}
+            elif request.get("op") == "seal":
                 token = int(request["token"])
                 layer = pending.layer(token)
                 answer = {"sealed": False, "why": "no such frozen layer"}

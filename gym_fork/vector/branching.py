@@ -65,6 +65,8 @@ def clone_sandboxes(
     involved = [w for w in sandboxes.pool.workers if any(i in w.indices for i in plan.indices)]
     check_forkable(involved, sandboxes.pool)
     started = time.perf_counter()
+    if sandboxes.host is not None:
+        sandboxes.host.fork_soon(involved)
     config = sandboxes.config.for_branch(plan.sources)
     if sandboxes.host is None or sandboxes.slabs is None:
         raise ValueError("fork: the source vector env is closed")

@@ -768,3 +768,42 @@ def test_a_clone_whose_own_tmp_cannot_be_made_fails_the_fork(monkeypatch):
         assert envs.call("listing", "/tmp/ws")[0] == ["f.txt"]
     finally:
         envs.close()
+
+
+def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
+    """The helper is asked as a fork begins (read-only, ~0.5 ms that overlap the
+    controller's preparation); a source that wrote nothing is not frozen, one that
+    wrote is; an answer a failed fork never took is forgotten, and the next fork gets
+    its own."""
+    from gym_fork.vector.lifecycle import Sandboxes
+
+    envs = ForkVectorEnv([Workspace], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        layers = envs.sandboxes.host.tmp_layers
+        envs.fork("quiet").close()
+        helper = layers.helper
+        assert helper is not None and helper.asked == {"check": 1}  # no freeze asked
+        envs.call("write", "/tmp/ws/f.txt", "source\n")
+        real = Sandboxes.open_slabs
+
+        def failing(*args, **kwargs):
+            raise OSError(24, "made to fail: too many open files")
+
+        Sandboxes.open_slabs = failing
+        try:
+            with pytest.raises(OSError, match="made to fail"):
+                envs.fork("failed")  # after the ask, before any freeze
+        finally:
+            Sandboxes.open_slabs = real
+        assert helper.asked == {"check": 2}
+        branch = envs.fork("written")
+        try:
+            assert helper.asked == {"check": 3, "freeze": 1}
+            assert branch.call("layers")[0] == 1
+            assert branch.call("read", "/tmp/ws/f.txt")[0] == "source\n"
+            assert not helper._answers and not helper._unanswered  # none left behind
+        finally:
+            branch.close()
+    finally:
+        envs.close()

@@ -300,6 +300,12 @@ class ProcessHost(SharedByBranches):
             for end, pid, watch in zip(ends, reply.pids, watches, strict=True)
         ]
 
+    def fork_soon(self, sources: Sequence[WorkerHandle]) -> None:
+        """Ask the layer helper now whether each source wrote anything to freeze
+        (layers.py ``check_soon``): its answer is in when the FORK is sent."""
+        for source in sources:
+            self.tmp_layers.check_soon(source, self.tree_isolation)
+
     def fork_many(
         self,
         jobs: Sequence[ForkJob],
