@@ -147,35 +147,46 @@ def test_a_subreaper_kills_its_children_and_their_orphans():
 
 
 NAMED_CHILDREN = """
-import os, signal, time
+import ctypes, os, signal, time
 from gym_fork.system.linux import live_children
 
-assert live_children() == [], live_children()  # none at all: the one-call answer
-pid = os.fork()
-if pid == 0:
-    signal.pause()
-    os._exit(0)
-assert [p for p, _name in live_children()] == [pid]
-os.kill(pid, signal.SIGKILL)
-def state():
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-deadline = time.monotonic() + 5
-while state() != "Z" and time.monotonic() < deadline:
-    time.sleep(0.001)
-assert state() == "Z"
-assert live_children() == []  # a zombie is no live child
-assert os.waitpid(pid, os.WNOHANG)[0] == pid  # and was not reaped by the look
-import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
-raw = libc.syscall(56, 0, 0, 0, 0, 0)  # clone(2), exit signal 0: waitid sees it with __WALL only
-if raw == 0:
-    libc.syscall(34)  # pause()
-    libc.syscall(60, 0)
-assert [p for p, _name in live_children()] == [raw], live_children()
-os.kill(raw, signal.SIGKILL)
-os.waitid(os.P_PID, raw, os.WEXITED | 0x40000000)
-print("ok")
+made = []
+try:
+    assert live_children() == [], live_children()  # none at all: the one-call answer
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with this script
+        signal.pause()
+        os._exit(0)
+    made.append(pid)
+    assert [p for p, _name in live_children()] == [pid]
+    os.kill(pid, signal.SIGKILL)
+
+    def state():
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    deadline = time.monotonic() + 5
+    while state() != "Z" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert state() == "Z"
+    assert live_children() == []  # a zombie is no live child
+    assert os.waitpid(pid, os.WNOHANG)[0] == pid  # and was not reaped by the look
+    made.remove(pid)
+    # clone(2) with exit signal 0: waitid sees such a child only with __WALL
+    raw = libc.syscall(56, 0, 0, 0, 0, 0)
+    if raw == 0:
+        libc.syscall(157, 1, signal.SIGKILL, 0, 0, 0)  # prctl(PR_SET_PDEATHSIG)
+        libc.syscall(34)  # pause()
+        libc.syscall(60, 0)
+    made.append(raw)
+    assert [p for p, _name in live_children()] == [raw], live_children()
+    print("ok")
+finally:
+    for child in made:
+        os.kill(child, signal.SIGKILL)
+        os.waitid(os.P_PID, child, os.WEXITED | 0x40000000)
 """
 
 
