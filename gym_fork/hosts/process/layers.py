@@ -59,10 +59,7 @@ class TmpLayers:
         if self.off or _why_not_for(source, tree):
             return
         try:
-            helper = self._helper()
-            layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
-            pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
-            self.checks[source.pid] = helper.ask_wrote_since(pidfd, layer)
+            self.checks[source.pid] = self._helper().ask_wrote_since(*_layer_of(source))
         except (OSError, RuntimeError):
             return  # the freeze asks again, and says why
 
@@ -110,11 +107,8 @@ class TmpLayers:
         if not why:
             asked = time.perf_counter()
             try:
-                helper = self._helper()
-                layer = source.info["isolation"]["sandbox"]["tmp_layer_fd"]
-                pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for
-                fd, _depth, token = helper.freeze(
-                    pidfd, layer, self.isolation.layer_bytes(), TREE_TMP_VIEW
+                fd, _depth, token = self._helper().freeze(
+                    *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
                 )
                 if token is None:
                     self._swapped(asked)
@@ -174,6 +168,13 @@ class TmpLayers:
         helper, self.helper = self.helper, None
         if helper is not None:
             helper.close()
+
+
+def _layer_of(source: WorkerHandle) -> tuple[int, int]:
+    """(a pidfd of ``source``, the number of its private layer's fd in it): what the
+    helper is asked about, where :func:`_why_not_for` found both."""
+    pidfd = getattr(source.watch, "fd", -1)  # a ProcessWatch: _why_not_for checked
+    return pidfd, source.info["isolation"]["sandbox"]["tmp_layer_fd"]
 
 
 def _why_not_for(source: WorkerHandle, tree: dict[str, Any]) -> str:
