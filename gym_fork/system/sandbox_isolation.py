@@ -106,6 +106,7 @@ def adopt_frozen_layer(layer_fd: int) -> None:
     /tmp files and its working directory at what /tmp shows now (writing through them
     would change the frozen files under its clones)."""
     global _PRIVATE_WRITES_FD
+    frozen_layers.adopted_layer()
     files, _stuck = snapshot.private_files()
     snapshot.reopen_copied_files(files)
     host_view.reenter_working_directory()
