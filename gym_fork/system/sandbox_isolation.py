@@ -175,7 +175,7 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
         def fill(upper: str) -> None:
             writes = _private_writes()
             if writes is not None and writes != _EMPTY_CLONE_SOURCE:
-                copy_tree(writes, upper)
+                copy_tree(writes, upper, layer=True)
 
         layers = frozen_layers.layer_paths()  # its source's frozen writes, shared
         own = ns.overlay_private_layer(
@@ -354,9 +354,10 @@ def _clones_get_namespaces(config: IsolationConfig, achieved: Isolation) -> bool
     )
 
 
-def copy_tree(source: str | None, target: str) -> None:
+def copy_tree(source: str | None, target: str, layer: bool = False) -> None:
     """Copy ``source``'s entries into ``target`` (gym_fork/system/snapshot.py), without
-    scratch directories and other mounts (a re-attached venv under /tmp is not copied)."""
+    scratch directories and other mounts (a re-attached venv under /tmp is not copied);
+    ``layer``: an overlay's upper layer (its whiteouts and opaque directories too)."""
     if not source:
         return
     try:
@@ -365,4 +366,4 @@ def copy_tree(source: str | None, target: str) -> None:
         return  # missing or not a directory
     scratch = [n for n in listed if n.startswith("gym_fork-scratch-")]
     if listed:
-        snapshot.copy_tree(source, target, skip=scratch)
+        snapshot.copy_tree(source, target, skip=scratch, layer=layer)

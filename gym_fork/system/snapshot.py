@@ -4,7 +4,10 @@ What it copies was written by an env, possibly a hostile one: the walk is iterat
 recursion limit for a deep tree), stays on one file system (other mounts are not its
 files), never follows a symlink (it is recreated as a link), skips devices, fifos and
 sockets (a fifo would block the copy), keeps holes (a 1 GiB sparse file costs what it
-holds, not 1 GiB of the clone's layer) and hard links (one file stays one file).
+holds, not 1 GiB of the clone's layer) and hard links (one file stays one file). Copying
+an overlay's upper layer (a source's writes over frozen layers or the tree's /tmp), it
+keeps what hides the layers below: whiteouts (a file removed) and opaque directories (a
+directory removed and made again), or the copy would show what its source removed.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from gym_fork.system.linux import data_extents
 _CHUNK = 1 << 20
 
 
-def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
+# An overlay marks a directory opaque with one of these (trusted.* by the host's root;
+# user.* with ``userxattr``, what a clone's overlay in its user namespace reads).
+_OPAQUE_READ = ("user.overlay.opaque", "trusted.overlay.opaque")
+_OPAQUE_WRITTEN = "user.overlay.opaque"
+
+
+def copy_tree(source: str, target: str, skip: Iterable[str] = (), layer: bool = False) -> None:
     """Copy the entries of directory ``source`` into the existing directory ``target``,
-    but the top-level names in ``skip``. Raises OSError (ENOSPC when ``target`` is full)."""
+    but the top-level names in ``skip``. ``layer``: ``source`` is an overlay's upper
+    layer, copied for an overlay with ``userxattr``: its whiteouts and opaque
+    directories too. Raises OSError (ENOSPC when ``target`` is full; a directory that
+    cannot be marked opaque here)."""
     try:
         device = os.lstat(source).st_dev
     except OSError:
@@ -51,6 +63,8 @@ def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
             mode = info.st_mode
             if stat.S_ISDIR(mode):
                 os.makedirs(dst, exist_ok=True)
+                if layer:
+                    _copy_opaque(src, dst)
                 pending.append((src, dst, False))
                 directories.append((dst, info))
             elif stat.S_ISLNK(mode):
@@ -70,9 +84,32 @@ def copy_tree(source: str, target: str, skip: Iterable[str] = ()) -> None:
                     raise
                 if info.st_nlink > 1:
                     links[info.st_ino] = dst
-            # devices (an overlay's whiteouts), fifos, sockets: not copied
+            elif layer and stat.S_ISCHR(mode) and info.st_rdev == 0:  # a whiteout
+                with contextlib.suppress(FileExistsError):
+                    os.mknod(dst, stat.S_IFCHR, 0)  # any user may make one (Linux 5.8+)
+            # other devices, fifos, sockets: not copied
     for path, info in reversed(directories):  # a read-only directory is filled first
         _copy_metadata(path, info)
+
+
+def _copy_opaque(src: str, dst: str) -> None:
+    """Mark ``dst`` opaque where the overlay marked ``src`` so (its lower layers' entries
+    hidden: a directory removed and made again)."""
+    for name in _OPAQUE_READ:
+        try:
+            value = os.getxattr(src, name, follow_symlinks=False)
+        except OSError:
+            continue  # not marked, or not ours to read (trusted.*)
+        try:
+            os.setxattr(dst, _OPAQUE_WRITTEN, value, follow_symlinks=False)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"{src} hides what the layers below it hold (an overlay's opaque directory) "
+                f"and its copy cannot be marked so ({exc.strerror}; tmpfs keeps user.* "
+                "xattrs from Linux 6.6)",
+            ) from exc
+        return
 
 
 def _changed_since(path: str, info: os.stat_result) -> bool:

@@ -159,6 +159,66 @@ def test_a_deleted_file_and_a_replaced_directory_stay_so_in_later_layers():
         envs.close()
 
 
+class Remover(Workspace):
+    def bind_socket(self):
+        self._sock = socket.socket(socket.AF_UNIX)
+        self._sock.bind("/tmp/server.sock")
+
+
+@pytest.mark.parametrize("copied_because", ["freeze refused", "written after the check"])
+def test_what_a_source_removed_over_a_frozen_layer_stays_removed_in_a_copying_branch(
+    copied_because, monkeypatch
+):
+    """A branch that copies its source's writes instead of freezing them (a unix socket
+    bound in /tmp refuses the freeze; or the source wrote after its fork's ahead-of-time
+    check said there was nothing to freeze) copies the whiteout of a file the source
+    removed from a frozen layer and the opaque mark of a directory it made again: the
+    removed file and the old directory's files stay gone in the branch."""
+    from gym_fork.vector.lifecycle import Sandboxes
+
+    envs = ForkVectorEnv([Remover], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "frozen\n")
+        envs.call("write", "/tmp/ws/dir/old.txt", "old\n")
+        envs.fork("first").close()
+        assert envs.call("layers")[0] == 1
+        helper = envs.sandboxes.host.tmp_layers.helper
+        if copied_because == "freeze refused":
+            envs.call("remove", "/tmp/ws/f.txt")
+            envs.call("remove", "/tmp/ws/dir")
+            envs.call("write", "/tmp/ws/dir/new.txt", "new\n")
+            envs.call("bind_socket")
+        else:  # as an env's own thread would, between the check and the FORK
+            seen = f"/proc/{envs.worker_pids[0]}/root/tmp/ws"
+            real = Sandboxes.open_slabs
+
+            def remove_first(*args, **kwargs):
+                layers = envs.sandboxes.host.tmp_layers
+                number = layers.checks[envs.worker_pids[0]]
+                helper._answers[number] = helper._answer(number)  # "nothing": it is in
+                os.unlink(f"{seen}/f.txt")
+                os.unlink(f"{seen}/dir/old.txt")
+                os.rmdir(f"{seen}/dir")
+                os.mkdir(f"{seen}/dir")
+                with open(f"{seen}/dir/new.txt", "w") as f:
+                    f.write("new\n")
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(Sandboxes, "open_slabs", remove_first)
+        branch = envs.fork("second")
+        monkeypatch.undo()
+        try:
+            assert envs.call("layers")[0] == branch.call("layers")[0] == 1  # copied
+            for env in (envs, branch):
+                assert env.call("read", "/tmp/ws/f.txt")[0] is None
+                assert env.call("listing", "/tmp/ws/dir")[0] == ["new.txt"]
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
 def test_a_source_keeps_writing_its_own_files_through_what_it_held_open():
     """A log held open and a working directory in /tmp: after the freeze the source
     writes its own new layer through them, never the frozen one its branch stands on."""

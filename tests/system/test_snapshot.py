@@ -1,10 +1,14 @@
 """Copying a source's private files into a clone (gym_fork/system/snapshot.py) while a
 thread of the source's env goes on writing: what is removed after it was listed is not
-copied, and the rest is (a clone used to die in its birth on FileNotFoundError)."""
+copied, and the rest is (a clone used to die in its birth on FileNotFoundError); and an
+overlay's upper layer, with what hides the layers below it."""
 
 from __future__ import annotations
 
 import os
+import stat
+
+import pytest
 
 from gym_fork.system import snapshot
 
@@ -41,3 +45,33 @@ def test_entries_removed_or_replaced_while_they_are_copied_are_skipped(tmp_path,
     assert sorted(os.listdir(target)) == ["kept.txt", "sub"]
     assert (target / "kept.txt").read_text() == "kept"
     assert (target / "sub" / "deep.txt").read_text() == "deep"
+
+
+def test_an_upper_layer_is_copied_with_what_hides_the_layers_below(tmp_path):
+    """A clone's copy of its source's upper layer keeps the whiteouts (files the source
+    removed from a layer below) and opaque directories (one it removed and made again):
+    without them its overlay would show the removed files again. A plain copy skips
+    devices and copies no marks."""
+    upper, copy, plain = tmp_path / "upper", tmp_path / "copy", tmp_path / "plain"
+    for folder in (upper, copy, plain):
+        folder.mkdir()
+    os.mknod(upper / "removed.txt", stat.S_IFCHR, 0)  # what overlayfs writes for a removal
+    os.mknod(upper / "a-real-device", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    (upper / "remade").mkdir()
+    (upper / "remade" / "new.txt").write_text("new\n")
+    try:
+        os.setxattr(upper / "remade", "user.overlay.opaque", b"y")
+    except OSError as exc:
+        pytest.skip(f"no user.* xattrs on {tmp_path}'s file system: {exc}")
+
+    snapshot.copy_tree(str(upper), str(copy), layer=True)
+    snapshot.copy_tree(str(upper), str(plain))
+
+    whiteout = os.lstat(copy / "removed.txt")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert not os.path.lexists(copy / "a-real-device")  # never a device of the source's
+    assert os.getxattr(copy / "remade", "user.overlay.opaque") == b"y"
+    assert (copy / "remade" / "new.txt").read_text() == "new\n"
+    assert sorted(os.listdir(plain)) == ["remade"]
+    with pytest.raises(OSError):
+        os.getxattr(plain / "remade", "user.overlay.opaque")
