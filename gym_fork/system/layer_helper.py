@@ -31,6 +31,11 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 # How long a seal after the source reopened its files waits for a writer to go (a thread
 # of its closing a file it opened before the freeze); the source's FORK waits as long.
 SEAL_PATIENCE_S = 0.05
+# Requests sent and not yet read back at most: past it a send first reads the oldest
+# answers (kept for their askers). The helper blocks sending answers once the socket's
+# buffers are full (~350 small ones) and then takes no request: a fork of hundreds of
+# sources, each checked ahead, would stall until the helper was killed.
+MAX_UNREAD = 32
 
 
 class LayerHelper:
@@ -151,6 +156,8 @@ class LayerHelper:
         with self._asking:
             if self.broken:
                 raise RuntimeError(self.broken)
+            while len(self._unanswered) >= MAX_UNREAD:
+                self._read_oldest()
             number = next(self._numbers)
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
@@ -167,28 +174,32 @@ class LayerHelper:
             while number not in self._answers:
                 if self.broken:
                     raise RuntimeError(self.broken)
-                got: list[int] = []
-                try:
-                    data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
-                    if not data:
-                        raise EOFError("it ended")
-                    answer = json.loads(data)
-                    if not isinstance(answer, dict):
-                        raise ValueError(f"an answer that is no object: {answer!r:.100}")
-                    if not self._unanswered:
-                        raise ValueError("an answer nobody asked for")
-                except (OSError, EOFError, ValueError) as exc:  # timeout included
-                    for fd in got:
-                        os.close(fd)
-                    self._break(f"the layer helper did not answer ({exc})", exc)
-                oldest = self._unanswered.popleft()
-                if oldest in self._abandoned:
-                    self._abandoned.discard(oldest)
-                    for fd in got:
-                        os.close(fd)
-                else:
-                    self._answers[oldest] = (answer, got)
+                self._read_oldest()
             return self._answers.pop(number)
+
+    def _read_oldest(self) -> None:
+        """With the lock held: read the next answer, the oldest unanswered request's."""
+        got: list[int] = []
+        try:
+            data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+            if not data:
+                raise EOFError("it ended")
+            answer = json.loads(data)
+            if not isinstance(answer, dict):
+                raise ValueError(f"an answer that is no object: {answer!r:.100}")
+            if not self._unanswered:
+                raise ValueError("an answer nobody asked for")
+        except (OSError, EOFError, ValueError) as exc:  # timeout included
+            for fd in got:
+                os.close(fd)
+            self._break(f"the layer helper did not answer ({exc})", exc)
+        oldest = self._unanswered.popleft()
+        if oldest in self._abandoned:
+            self._abandoned.discard(oldest)
+            for fd in got:
+                os.close(fd)
+        else:
+            self._answers[oldest] = (answer, got)
 
     def _break(self, why: str, cause: BaseException) -> NoReturn:
         """With the lock held: no request is asked any more; end the helper."""

@@ -195,7 +195,7 @@ def test_what_a_source_removed_over_a_frozen_layer_stays_removed_in_a_copying_br
 
             def remove_first(*args, **kwargs):
                 layers = envs.sandboxes.host.tmp_layers
-                number = layers.checks[envs.worker_pids[0]]
+                number, _watch = layers.checks[envs.worker_pids[0]]
                 helper._answers[number] = helper._answer(number)  # "nothing": it is in
                 os.unlink(f"{seen}/f.txt")
                 os.unlink(f"{seen}/dir/old.txt")
@@ -867,3 +867,55 @@ def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
             branch.close()
     finally:
         envs.close()
+
+
+def test_a_fork_of_many_sources_checked_ahead_does_not_stall_the_helper(monkeypatch):
+    """A fork of hundreds of one-env sources asks the helper as many checks before it
+    reads any answer: past what the socket's buffers hold (~350 answers), a helper
+    blocked on its answers would take no request, and be killed past the deadline
+    (frozen layers off for the host). The controller reads ahead instead."""
+    from gym_fork.system import layer_helper
+
+    monkeypatch.setattr(layer_helper, "ANSWER_TIMEOUT_S", 2.0)
+    helper = layer_helper.LayerHelper(1 << 20)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        numbers = [helper.ask_wrote_since(pidfd, 0) for _ in range(1000)]
+        assert len(helper._unanswered) <= layer_helper.MAX_UNREAD
+        helper.forget(numbers[500])
+        answers = [helper.wrote_since(n) for n in numbers if n != numbers[500]]
+        assert len(answers) == 999 and not helper.broken
+        assert not helper._answers and not helper._unanswered and helper.alive()
+    finally:
+        os.close(pidfd)
+        helper.close()
+
+
+def test_the_check_of_a_fork_that_failed_is_forgotten_once_its_source_is_gone(monkeypatch):
+    """A fork that fails before its freeze leaves its source's check answered and
+    untaken: the source's next fork forgets it, and so does the next fork of another
+    source once that one is gone (nothing kept for a sandbox that no longer exists)."""
+    from gym_fork.vector.lifecycle import Sandboxes
+
+    envs = ForkVectorEnv([Workspace] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        layers = envs.sandboxes.host.tmp_layers
+        envs.fork("first", indices=[0]).close()
+        helper = layers.helper
+
+        def failing(*args, **kwargs):
+            raise OSError(24, "made to fail: too many open files")
+
+        monkeypatch.setattr(Sandboxes, "open_slabs", failing)
+        with pytest.raises(OSError, match="made to fail"):
+            envs.fork("failed", indices=[1])
+        monkeypatch.undo()
+        gone = envs.worker_pids[1]
+        assert gone in layers.checks
+        os.kill(gone, 9)
+        assert wait_until(lambda: not alive([gone]), timeout=10)
+        envs.fork("second", indices=[0]).close()
+        assert not layers.checks and not helper._answers and not helper._unanswered
+    finally:
+        envs.close(terminate=True)

@@ -303,8 +303,7 @@ class ProcessHost(SharedByBranches):
     def fork_soon(self, sources: Sequence[WorkerHandle]) -> None:
         """Ask the layer helper now whether each source wrote anything to freeze
         (layers.py ``check_soon``): its answer is in when the FORK is sent."""
-        for source in sources:
-            self.tmp_layers.check_soon(source, self.tree_isolation)
+        self.tmp_layers.checks_soon(sources, self.tree_isolation)
 
     def fork_many(
         self,

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from gym_fork import knobs
@@ -47,8 +48,19 @@ class TmpLayers:
         # its files follows unseen (~0.1 ms: benchmarks/agent_workspace.py).
         self.swap_ms: list[float] = []
         # source pid -> the number of the helper's answer to "anything to freeze?", asked
-        # as its fork began (check_soon) and taken by its freeze
-        self.checks: dict[int, int] = {}
+        # as its fork began (check_soon) and taken by its freeze (or forgotten at its next
+        # fork's check, or once it is gone: a fork that failed before its freeze), and its
+        # watch
+        self.checks: dict[int, tuple[int, Any]] = {}
+
+    def checks_soon(self, sources: Sequence[WorkerHandle], tree: dict[str, Any]) -> None:
+        """A fork of ``sources`` begins: :meth:`check_soon` each, after forgetting the
+        checks of sources gone since (their forks failed before their freeze)."""
+        for pid, (_number, watch) in list(self.checks.items()):
+            if not watch.alive():
+                self._forget_check(pid)
+        for source in sources:
+            self.check_soon(source, tree)
 
     def check_soon(self, source: WorkerHandle, tree: dict[str, Any]) -> None:
         """A fork of ``source`` begins: ask the helper now, without waiting, whether there
@@ -59,12 +71,13 @@ class TmpLayers:
         if self.off or _why_not_for(source, tree):
             return
         try:
-            self.checks[source.pid] = self._helper().ask_wrote_since(*_layer_of(source))
+            number = self._helper().ask_wrote_since(*_layer_of(source))
+            self.checks[source.pid] = (number, source.watch)
         except (OSError, RuntimeError):
             return  # the freeze asks again, and says why
 
     def _forget_check(self, pid: int) -> None:
-        number = self.checks.pop(pid, None)
+        number, _watch = self.checks.pop(pid, (None, None))
         if number is not None and self.helper is not None:
             self.helper.forget(number)
 
@@ -98,7 +111,7 @@ class TmpLayers:
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
-        checked = self.checks.pop(source.pid, None)
+        checked, _watch = self.checks.pop(source.pid, (None, None))
         if checked is not None and self.helper is not None:
             if why:
                 self.helper.forget(checked)
