@@ -170,12 +170,16 @@ class LayerHelper:
 
     def _answer(self, number: int) -> tuple[dict[str, Any], list[int]]:
         """Answer ``number``, reading (in order) the answers asked before it first."""
-        with self._asking:
-            while number not in self._answers:
-                if self.broken:
-                    raise RuntimeError(self.broken)
-                self._read_oldest()
-            return self._answers.pop(number)
+        try:
+            with self._asking:
+                while number not in self._answers:
+                    if self.broken:
+                        raise RuntimeError(self.broken)
+                    self._read_oldest()
+                return self._answers.pop(number)
+        except BaseException:  # a Ctrl-C too: its answer, when read, is dropped (fds closed)
+            self.forget(number)
+            raise
 
     def _read_oldest(self) -> None:
         """With the lock held: read the next answer, the oldest unanswered request's."""

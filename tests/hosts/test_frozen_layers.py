@@ -919,3 +919,29 @@ def test_the_check_of_a_fork_that_failed_is_forgotten_once_its_source_is_gone(mo
         assert not layers.checks and not helper._answers and not helper._unanswered
     finally:
         envs.close(terminate=True)
+
+
+def test_an_answer_whose_wait_was_interrupted_is_dropped_when_read(monkeypatch):
+    """A Ctrl-C while the controller waits for an answer: the answer, read later for
+    another request, is dropped (its fds closed), never kept for no one."""
+    from gym_fork.system import layer_helper
+
+    helper = layer_helper.LayerHelper(1 << 20)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        interrupted = helper.ask_wrote_since(pidfd, 0)
+        real = helper._read_oldest
+
+        def interrupt():
+            monkeypatch.setattr(helper, "_read_oldest", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(helper, "_read_oldest", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            helper.wrote_since(interrupted)
+        later = helper.ask_wrote_since(pidfd, 0)
+        helper.wrote_since(later)  # reads the interrupted answer first
+        assert not helper._answers and not helper._unanswered and not helper._abandoned
+    finally:
+        os.close(pidfd)
+        helper.close()
