@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -945,3 +946,38 @@ def test_an_answer_whose_wait_was_interrupted_is_dropped_when_read(monkeypatch):
     finally:
         os.close(pidfd)
         helper.close()
+
+
+def test_a_fork_given_up_while_its_source_waits_for_its_layer_leaves_the_source_whole(
+    monkeypatch,
+):
+    """The FORK request goes out before the freeze (the source wakes while the helper
+    works) and the source waits for its layer: a controller that fails between the two
+    tells it so, takes its answer, and the source steps and forks on as before."""
+    from gym_fork.hosts.process import sandbox
+    from gym_fork.hosts.process.layers import TmpLayers
+
+    envs = workspace_env()
+    try:
+
+        def failing(self, source):
+            raise OSError(24, "made to fail: too many open files")
+
+        monkeypatch.setattr(TmpLayers, "freeze", failing)
+        started = time.monotonic()
+        with pytest.raises(OSError, match="made to fail"):
+            envs.fork("given up")
+        monkeypatch.undo()
+        envs.step(np.zeros(1, np.int64))
+        # Told at once: it did not wait out its deadline for a layer that never came.
+        assert time.monotonic() - started < sandbox.LAYER_TIMEOUT_S / 2
+        envs.call("write", "/tmp/ws/f0.txt", "after\n")
+        branch = envs.fork("b")
+        try:
+            assert envs.call("layers")[0] == branch.call("layers")[0] == 1
+            assert branch.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nafter\n"
+            branch.step(np.zeros(1, np.int64))
+        finally:
+            branch.close()
+    finally:
+        envs.close()

@@ -27,6 +27,7 @@ EXAMPLES = [
     M.Refused("no"),
     M.Assign(SPEC, None),
     M.CloneFds(2),
+    M.FrozenLayer(True, sealed=True),
     M.ClonesForked([8, 9]),
 ]
 KINDS = tuple({type(m) for m in EXAMPLES})
@@ -46,5 +47,6 @@ def test_sandboxes_come_with_their_fds():
     assert M.Spawn([SPEC, SPEC], None).fd_count() == 2 * M.FDS_PER_SANDBOX
     assert M.Assign(SPEC, None).fd_count() == M.FDS_PER_SANDBOX
     assert M.CloneFds(3).fd_count() == 3 * M.FDS_PER_SANDBOX
+    assert M.FrozenLayer(True).fd_count() == 1 and M.FrozenLayer(False).fd_count() == 0
     assert M.ForkWarmParent({}, {}).fd_count() == 3
     assert M.Spawned([4, 5], [], [True, False]).fd_count() == 1

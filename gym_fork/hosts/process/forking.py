@@ -6,6 +6,7 @@ new sandboxes of the tree (the worker's side: ``sandbox.py``). ``ProcessHost.for
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,24 +80,32 @@ def _start_fork(
     clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
     link: SandboxLink = source.host_data
     what = f"fork of {source.name}"
-    frozen = None
+    frozen = waiting = None
+    layer_said = False  # the source knows whether a layer comes (it waits for one else)
     try:
-        frozen = host.tmp_layers.freeze(source, host.tree_isolation)
+        freezing = host.tmp_layers.freezing(source, host.tree_isolation)
+        layer_said = not freezing
         try:
-            sealed = frozen is not None and frozen[1] is None
-            handed = M.CloneFds(
-                len(orders), groups.controllers, groups.errors, bool(frozen), sealed
-            )
-            M.send(link.sock, handed, fds if frozen is None else [*fds, frozen[0]])
+            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, freezing)
+            M.send(link.sock, handed, fds)
         finally:
             groups.close_fds()  # the source has its copies
-            if frozen is not None:
-                os.close(frozen[0])
         arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
         waiting = job.ask_later(P.FORK, arg)
+        if freezing:  # the source wakes and waits for its layer while the helper works
+            frozen = host.tmp_layers.freeze(source)
+            layer = M.FrozenLayer(frozen is not None, frozen is not None and frozen[1] is None)
+            try:
+                M.send(link.sock, layer, [] if frozen is None else [frozen[0]])
+                layer_said = True
+            finally:
+                if frozen is not None:
+                    os.close(frozen[0])
     except BaseException:
         if frozen is not None and frozen[1] is not None:
             host.tmp_layers.seal(source, frozen[1], drop=True)
+        if waiting is not None:
+            _give_up(link, waiting, layer_said)
         for end in ends:
             end.handed_over()
             end.abort()
@@ -133,6 +142,16 @@ def _start_fork(
         return handles
 
     return finish
+
+
+def _give_up(link: SandboxLink, waiting: Callable[[], Any], layer_said: bool) -> None:
+    """A FORK asked and then given up by the controller: tell a source still waiting for
+    its layer (it fails the FORK at once), and take its answer (a source must not be
+    left with a stale one: the next request would get it)."""
+    with contextlib.suppress(Exception):
+        if not layer_said:
+            M.send(link.sock, M.FrozenLayer(False, cancelled=True))
+        waiting()
 
 
 def _seal_when_adopted(

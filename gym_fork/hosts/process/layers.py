@@ -99,12 +99,12 @@ class TmpLayers:
             return "sandboxes write a host directory (their clones get no namespaces)"
         return ""
 
-    def freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> tuple[int, int | None] | None:
-        """Freeze ``source``'s /tmp writes before its FORK: (the fd of its new upper layer,
-        to send with the clones' fds; the token to :meth:`seal` with once it has reopened
-        its files, or None where the helper sealed the frozen layer already), or None
-        (its clones copy them). Raises RuntimeError for a source whose frozen layer could not be
-        sealed before: no clone may stand on a layer that can still be written."""
+    def freezing(self, source: WorkerHandle, tree: dict[str, Any]) -> bool:
+        """Before a FORK of ``source``: whether its /tmp writes are to be frozen
+        (:meth:`freeze` follows its FORK request); else its clones copy them. Takes the
+        answer :meth:`check_soon` asked for. Raises RuntimeError for a source whose
+        frozen layer could not be sealed before: no clone may stand on a layer that can
+        still be written."""
         for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
             if not watch.alive():
                 del self.unsealed[pid]
@@ -116,26 +116,37 @@ class TmpLayers:
             if why:
                 self.helper.forget(checked)
             elif not self.helper.wrote_since(checked):
-                return None  # nothing written since its last freeze: nothing to copy either
-        if not why:
-            asked = time.perf_counter()
-            try:
-                fd, _depth, token = self._helper().freeze(
-                    *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
-                )
-                if token is None:
-                    self._swapped(asked)
-                else:
-                    self.started[token] = asked
-                return fd, token
-            except (OSError, RuntimeError) as exc:
-                why = str(exc)
-                if self.helper is not None and self.helper.broken:
-                    self.off = why
+                return False  # nothing written since its last freeze: nothing to copy either
+        if why:
+            self._say(source, why)
+        return not why
+
+    def freeze(self, source: WorkerHandle) -> tuple[int, int | None] | None:
+        """Freeze the /tmp writes of ``source`` (:meth:`freezing` said so): (the fd of
+        its new upper layer, to send it; the token to :meth:`seal` with once it has
+        reopened its files, or None where the helper sealed the frozen layer already),
+        or None (its clones copy them; the helper said why)."""
+        asked = time.perf_counter()
+        try:
+            fd, _depth, token = self._helper().freeze(
+                *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
+            )
+        except (OSError, RuntimeError) as exc:
+            if self.helper is not None and self.helper.broken:
+                self.off = str(exc)
+            self._say(source, str(exc))
+            return None
+        if token is None:
+            self._swapped(asked)
+        else:
+            self.started[token] = asked
+        return fd, token
+
+    def _say(self, source: WorkerHandle, why: str) -> None:
+        """Log once at DEBUG why a source's clones copy its /tmp writes."""
         if why not in self.said and why != "nothing to freeze":
             self.said.add(why)
             log.debug("gym_fork: %s's clones copy its /tmp writes: %s", source.name, why)
-        return None
 
     def seal(self, source: WorkerHandle, token: int, drop: bool = False) -> str:
         """Make ``source``'s layer frozen under ``token`` read-only, once it has reopened

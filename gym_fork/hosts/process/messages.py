@@ -17,7 +17,10 @@ Each travels as a dict ``{"op": OP, field: value, ...}`` in a control-socket fra
 4. controller -> worker, on its side socket (``forking.py`` / ``sandbox.py``):
    :class:`CloneFds` (+ ``FDS_PER_SANDBOX`` and its cgroups' fds per clone) goes with the
    ring's FORK request, answered :class:`ClonesForked` (+ pidfds) before the FORK reply
-   (none if the FORK is refused: its reply says why).
+   (none if the FORK is refused: its reply says why). Where the source's /tmp is frozen,
+   :class:`FrozenLayer` (+ its new layer) follows the FORK request (the source wakes
+   while the layer helper works), and where that layer is not sealed yet the worker says
+   :class:`LayerAdopted` and waits for :class:`LayerSealed`.
 
 A warm parent and a worker run env code: what they send is untrusted. Each message is
 received with the types expected at that point and checked by the typed-message layer
@@ -251,29 +254,44 @@ class CloneFds(Message):
     entry of ``cgroups``, in the order of the FORK request that follows on the ring).
     ``cgroups``: the controllers of each cgroup.procs fd a clone gets (its own groups,
     gym_fork/system/cgroups.py); ``cgroup_errors``: controller -> why a clone has no
-    group of its own under it. ``frozen_layer``: one more fd comes last, the source's
-    new /tmp layer (the layer helper has just frozen its writes:
-    gym_fork/system/frozen_layers.py); ``layer_sealed``: the frozen layer is read-only
-    already (no file of it was open for writing), so no LayerAdopted / LayerSealed
-    exchange follows."""
+    group of its own under it. ``layer_follows``: the layer helper freezes the source's
+    /tmp writes meanwhile (gym_fork/system/frozen_layers.py): a :class:`FrozenLayer`
+    follows the FORK request."""
 
     OP = "clone-fds"
     clones: int
     cgroups: list[list[str]] = field(default_factory=list)
     cgroup_errors: dict[str, str] = field(default_factory=dict)
-    frozen_layer: bool = False
-    layer_sealed: bool = False
+    layer_follows: bool = False
 
     def fds_per_clone(self) -> int:
         return FDS_PER_SANDBOX + len(self.cgroups)
 
     def fd_count(self) -> int:
-        return self.fds_per_clone() * self.clones + int(self.frozen_layer)
+        return self.fds_per_clone() * self.clones
+
+
+@dataclass(frozen=True)
+class FrozenLayer(Message):
+    """Controller, after a FORK whose CloneFds said a layer follows: ``frozen``: the
+    source's /tmp writes are a shared read-only layer now, and its new upper layer's fd
+    comes with this (else its clones copy its writes); ``sealed``: the frozen layer is
+    read-only already (no file of it was open for writing), so no LayerAdopted /
+    LayerSealed exchange follows; ``cancelled``: the controller gave the fork up (the
+    FORK then fails)."""
+
+    OP = "frozen-layer"
+    frozen: bool
+    sealed: bool = False
+    cancelled: bool = False
+
+    def fd_count(self) -> int:
+        return int(self.frozen)
 
 
 @dataclass(frozen=True)
 class LayerAdopted(Message):
-    """Worker: it keeps the new /tmp layer that came with the CloneFds and has reopened
+    """Worker: it keeps the new /tmp layer that came with the FrozenLayer and has reopened
     its /tmp files on it: its frozen layer may be sealed (made read-only)."""
 
     OP = "layer-adopted"

@@ -127,6 +127,7 @@ def _runs_without(fds: list[int], keep: tuple[int, ...]) -> tuple[tuple[int, int
 
 
 SEAL_TIMEOUT_S = 10.0  # the controller's layer helper makes a tmpfs read-only: milliseconds
+LAYER_TIMEOUT_S = 10.0  # the helper freezes a source's /tmp writes: milliseconds
 
 
 def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[str, list[str]]:
@@ -139,21 +140,8 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     clones = arg["clones"]
     handed, fds = M.receive(worker.sock, M.CloneFds)
     try:
-        if handed.frozen_layer:  # its /tmp writes are a shared layer now: keep the new one
-            failed: OSError | None = None
-            try:
-                adopt_frozen_layer(fds.pop())
-            except OSError as exc:
-                failed = exc
-            why = ""
-            if not handed.layer_sealed:  # a file of it was open for writing: sealed now
-                M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
-                sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
-                why = "" if sealed.sealed else sealed.why
-            if failed is not None:
-                raise failed
-            if why:
-                raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
+        if handed.layer_follows:  # the layer helper is freezing its /tmp writes now
+            _take_frozen_layer(worker)
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
@@ -201,6 +189,33 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _take_frozen_layer(worker: ProcessWorker) -> None:
+    """The controller's word on this worker's /tmp, frozen while it woke: where its
+    writes are a shared read-only layer now, keep the new upper layer that comes with
+    it (reopening its /tmp files there) and, if the frozen layer could not be sealed at
+    once (a file of it was open for writing), say so and wait until it is."""
+    layer, fds = M.receive_reply(worker.sock, LAYER_TIMEOUT_S, "frozen layer", M.FrozenLayer)
+    if layer.cancelled or not layer.frozen:
+        M.close_fds(fds)
+        if layer.cancelled:
+            raise RuntimeError("fork: the controller gave it up")
+        return  # its clones copy its writes
+    failed: OSError | None = None
+    try:
+        adopt_frozen_layer(fds[0])
+    except OSError as exc:
+        failed = exc
+    why = ""
+    if not layer.sealed:  # a file of it was open for writing: sealed now
+        M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
+        sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
+        why = "" if sealed.sealed else sealed.why
+    if failed is not None:
+        raise failed
+    if why:
+        raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
 
 
 @dataclass
