@@ -20,7 +20,16 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING
 
-from gym_fork.system import confine, frozen_layers, host_view, identity, landlock, linux, snapshot
+from gym_fork.system import (
+    confine,
+    frozen_layers,
+    host_view,
+    identity,
+    landlock,
+    layer_slots,
+    linux,
+    snapshot,
+)
 from gym_fork.system import namespaces as ns
 from gym_fork.system.scratch import base_dir
 
@@ -106,7 +115,7 @@ def adopt_frozen_layer(layer_fd: int) -> None:
     /tmp files and its working directory at what /tmp shows now (writing through them
     would change the frozen files under its clones)."""
     global _PRIVATE_WRITES_FD
-    frozen_layers.adopted_layer()
+    layer_slots.adopted_layer()
     files, _stuck = snapshot.private_files()
     snapshot.reopen_copied_files(files)
     host_view.reenter_working_directory()
@@ -177,7 +186,7 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
             if writes is not None and writes != _EMPTY_CLONE_SOURCE:
                 copy_tree(writes, upper, layer=True)
 
-        layers = frozen_layers.layer_paths()  # its source's frozen writes, shared
+        layers = layer_slots.layer_paths()  # its source's frozen writes, shared
         own = ns.overlay_private_layer(
             "/tmp",
             size,

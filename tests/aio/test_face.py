@@ -270,10 +270,10 @@ class WritesItsWorkspace(TimedEnv):
     def step(self, action):
         if int(action) != 1:
             return super().step(action)
-        from gym_fork.system import frozen_layers  # action 1: at once, its layers' count
+        from gym_fork.system import layer_slots  # action 1: at once, its layers' count
 
         obs = self.observation_space.sample()
-        return obs, 0.0, False, False, {"layers": len(frozen_layers.layer_paths())}
+        return obs, 0.0, False, False, {"layers": len(layer_slots.layer_paths())}
 
 
 @pytest.mark.skipif(bool(why_no_frozen_layers()), reason=why_no_frozen_layers() or "-")

@@ -509,9 +509,9 @@ class OddTmpFiles(FixedPathEnv):
 
     def layers(self):
         """How many frozen /tmp layers this sandbox's /tmp stands on."""
-        from gym_fork.system import frozen_layers
+        from gym_fork.system import layer_slots
 
-        return len(frozen_layers.layer_paths())
+        return len(layer_slots.layer_paths())
 
     def look(self):
         sparse = os.stat("/tmp/gf_sparse")

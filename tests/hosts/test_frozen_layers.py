@@ -60,9 +60,9 @@ class Workspace(gym.Env):
             os.unlink(path)
 
     def layers(self):
-        from gym_fork.system import frozen_layers
+        from gym_fork.system import layer_slots
 
-        return len(frozen_layers.layer_paths())
+        return len(layer_slots.layer_paths())
 
     def hold_log(self):
         self._log = open("/tmp/ws/held.log", "a")  # noqa: SIM115

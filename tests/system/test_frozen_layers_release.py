@@ -3,11 +3,8 @@ from release strings as distributions and release candidates write them."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from gym_fork.system import frozen_layers
 from gym_fork.system.frozen_layers import kernel_supports_layers
 
 
@@ -29,34 +26,3 @@ from gym_fork.system.frozen_layers import kernel_supports_layers
 )
 def test_a_release_string_says_whether_layers_can_be_frozen(release, supported):
     assert kernel_supports_layers(release) is supported
-
-
-@pytest.mark.parametrize("depth", range(frozen_layers.MAX_LAYERS + 1))
-def test_a_clone_finds_its_layers_at_any_depth_in_few_checks(monkeypatch, depth):
-    """The slots hold layers from 0 on: a clone confirms the depth its source knew with
-    two checks of a slot, and finds it by bisection where that is stale (a freeze its
-    source never adopted, a source that never counted), the most recent layer first
-    (each check costs two lstat calls in a deep mount namespace)."""
-    slots = [f"{frozen_layers.LAYERS_DIR}/{d}" for d in range(frozen_layers.MAX_LAYERS)]
-    checked = []
-
-    def ismount(path):
-        checked.append(path)
-        return path in slots[:depth]
-
-    monkeypatch.setattr(frozen_layers.os.path, "ismount", ismount)
-    bisection = 2 + math.ceil(math.log2(frozen_layers.MAX_LAYERS))
-    for known, most in [
-        (depth, 2),
-        (depth - 1, 2 + bisection),
-        (depth + 1, 2 + bisection),
-        (0, 2 + bisection),
-        (-5, bisection),
-    ]:
-        monkeypatch.setattr(frozen_layers, "_known_depth", known)
-        checked.clear()
-        assert frozen_layers.layer_paths() == slots[:depth][::-1], known
-        assert len(checked) <= most, (known, checked)
-        assert frozen_layers._known_depth == depth
-    frozen_layers.adopted_layer()
-    assert frozen_layers._known_depth == depth + 1
