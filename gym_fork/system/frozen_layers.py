@@ -245,9 +245,12 @@ def wrote_since(pidfd: int, layer_number: int) -> bool:
         upper = os.open("upper", flags, dir_fd=layer)
         try:
             with os.scandir(upper) as entries:
-                return next(entries, None) is not None
+                wrote = next(entries, None) is not None
         finally:
             os.close(upper)
+        if wrote:
+            checks.find_out_ahead(layer, pidfd)
+        return wrote
     except (OSError, FreezeRefused):
         return True
     finally:
@@ -289,14 +292,11 @@ def freeze(
             raise FreezeRefused(
                 f"{len(names)} entries at the top of its /tmp (a freeze renames each)"
             )
-        indexed, depth = checks.check_layer(layer, pid)
+        indexed, depth, refusal = checks.found(layer, pid)
         if depth >= MAX_LAYERS:
             raise FreezeRefused(f"{MAX_LAYERS} layers deep already")
-        if checks.shares_a_tmp_file(pid):
-            raise FreezeRefused("it maps a /tmp file shared (MAP_SHARED)")
-        endpoint = checks.keeps_a_tmp_endpoint(pid) or checks.works_in_a_deleted_tmp_directory(pid)
-        if endpoint:
-            raise FreezeRefused(endpoint)
+        if refusal:
+            raise FreezeRefused(refusal)
         owner = os.fstat(upper)
         frozen_name = f"frozen-{os.urandom(6).hex()}"  # in the layer's root: not in /tmp
         with _as_owner(owner):

@@ -84,6 +84,7 @@ class LayerHelper:
         self.broken = ""  # why no freeze is asked any more
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
         self.asked: dict[str, int] = {}  # requests sent, by op
+        self.found_ahead = 0  # freezes that took what their check found (mount table, ...)
 
     def alive(self) -> bool:
         """Whether the helper process still runs."""
@@ -135,6 +136,8 @@ class LayerHelper:
         took = answer.get("ms")
         if isinstance(took, float):
             self.freeze_ms = [*self.freeze_ms[-999:], took]
+        if isinstance(answer.get("found_ahead"), int):  # freezes that took their check's
+            self.found_ahead = answer["found_ahead"]
         token = answer.get("token")
         return fds[0], int(answer["depth"]), None if token is None else int(token)
 
@@ -313,6 +316,7 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
                     fds[0], int(request["layer_fd"]), int(request["size"]), str(request["base"])
                 )
                 answer = {"frozen": True, "depth": depth, "token": None}
+                answer["found_ahead"] = frozen_layers.checks.found_taken
                 if unsealed is not None:  # sealed once the source has reopened its files
                     answer["token"] = token = next(tokens)
                     pending.keep(token, unsealed, fds[0])

@@ -834,8 +834,8 @@ def test_a_clone_whose_own_tmp_cannot_be_made_fails_the_fork(monkeypatch):
 def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
     """The helper is asked as a fork begins (read-only, ~0.5 ms that overlap the
     controller's preparation); a source that wrote nothing is not frozen, one that
-    wrote is; an answer a failed fork never took is forgotten, and the next fork gets
-    its own."""
+    wrote is, with what its check found (its mount table, what it holds); an answer a
+    failed fork never took is forgotten, and the next fork gets its own."""
     from gym_fork.vector.lifecycle import Sandboxes
 
     envs = ForkVectorEnv([Workspace], lineage_log=False)
@@ -861,6 +861,7 @@ def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
         branch = envs.fork("written")
         try:
             assert helper.asked == {"check": 3, "freeze": 1}
+            assert helper.found_ahead == 1  # the freeze took what its check found
             assert branch.call("layers")[0] == 1
             assert branch.call("read", "/tmp/ws/f.txt")[0] == "source\n"
             assert not helper._answers and not helper._unanswered  # none left behind

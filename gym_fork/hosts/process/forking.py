@@ -83,7 +83,8 @@ def _start_fork(
     frozen = waiting = None
     layer_said = False  # the source knows whether a layer comes (it waits for one else)
     try:
-        freezing = host.tmp_layers.freezing(source, host.tree_isolation)
+        layers = host.tmp_layers
+        freezing = layers.may_freeze(source, host.tree_isolation)
         layer_said = not freezing
         try:
             handed = M.CloneFds(len(orders), groups.controllers, groups.errors, freezing)
@@ -93,7 +94,7 @@ def _start_fork(
         arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
         waiting = job.ask_later(P.FORK, arg)
         if freezing:  # the source wakes and waits for its layer while the helper works
-            frozen = host.tmp_layers.freeze(source)
+            frozen = layers.freeze(source) if layers.wrote(source) else None
             layer = M.FrozenLayer(frozen is not None, frozen is not None and frozen[1] is None)
             try:
                 M.send(link.sock, layer, [] if frozen is None else [frozen[0]])

@@ -99,30 +99,32 @@ class TmpLayers:
             return "sandboxes write a host directory (their clones get no namespaces)"
         return ""
 
-    def freezing(self, source: WorkerHandle, tree: dict[str, Any]) -> bool:
-        """Before a FORK of ``source``: whether its /tmp writes are to be frozen
-        (:meth:`freeze` follows its FORK request); else its clones copy them. Takes the
-        answer :meth:`check_soon` asked for. Raises RuntimeError for a source whose
-        frozen layer could not be sealed before: no clone may stand on a layer that can
-        still be written."""
+    def may_freeze(self, source: WorkerHandle, tree: dict[str, Any]) -> bool:
+        """Before a FORK of ``source``: whether its /tmp writes may be frozen (then
+        :meth:`wrote` and :meth:`freeze` follow its FORK request); else its clones copy
+        them. Raises RuntimeError for a source whose frozen layer could not be sealed
+        before: no clone may stand on a layer that can still be written."""
         for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
             if not watch.alive():
                 del self.unsealed[pid]
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
-        checked, _watch = self.checks.pop(source.pid, (None, None))
-        if checked is not None and self.helper is not None:
-            if why:
-                self.helper.forget(checked)
-            elif not self.helper.wrote_since(checked):
-                return False  # nothing written since its last freeze: nothing to copy either
         if why:
+            self._forget_check(source.pid)
             self._say(source, why)
         return not why
 
+    def wrote(self, source: WorkerHandle) -> bool:
+        """Whether ``source`` wrote anything to freeze since its last freeze: the answer
+        :meth:`check_soon` asked for (True without one: the freeze looks)."""
+        checked, _watch = self.checks.pop(source.pid, (None, None))
+        if checked is None or self.helper is None:
+            return True
+        return self.helper.wrote_since(checked)
+
     def freeze(self, source: WorkerHandle) -> tuple[int, int | None] | None:
-        """Freeze the /tmp writes of ``source`` (:meth:`freezing` said so): (the fd of
+        """Freeze the /tmp writes of ``source`` (:meth:`may_freeze` said so): (the fd of
         its new upper layer, to send it; the token to :meth:`seal` with once it has
         reopened its files, or None where the helper sealed the frozen layer already),
         or None (its clones copy them; the helper said why)."""
