@@ -38,6 +38,18 @@ SEAL_PATIENCE_S = 0.05
 MAX_UNREAD = 32
 
 
+class FreezeInterrupted(KeyboardInterrupt):
+    """A Ctrl-C while a freeze's answer was awaited: the answer was taken all the same
+    (the source's /tmp is the new layer by then, which must reach it): ``result`` is
+    what :meth:`LayerHelper.freeze` would have returned, or None where it froze
+    nothing; ``frozen`` is (layer fd, token) for the caller to hand over, or None."""
+
+    def __init__(self, result: tuple[int, int, int | None] | None) -> None:
+        super().__init__()
+        self.result = result
+        self.frozen: tuple[int, int | None] | None = None
+
+
 class LayerHelper:
     """The controller's end: :meth:`freeze` asks, ``close`` ends the helper."""
 
@@ -128,11 +140,31 @@ class LayerHelper:
         was); a helper that does not answer in time is killed, and every later call
         raises."""
         request = {"op": "freeze", "layer_fd": layer_fd, "size": size_bytes, "base": base}
-        answer, fds = self._ask(request, [pidfd])
-        if not answer.get("frozen") or len(fds) != 1:
+        number = self._send(request, [pidfd])
+        try:
+            answer, fds = self._answer(number, keep=True)
+        except KeyboardInterrupt:
+            try:
+                answer, fds = self._answer(number)  # a second Ctrl-C gives up on it
+            except RuntimeError:  # the helper broke (and is ended): nothing to take
+                raise FreezeInterrupted(None) from None
+            if not answer.get("frozen"):
+                for fd in fds:
+                    os.close(fd)
+                raise FreezeInterrupted(None) from None
+            raise FreezeInterrupted(self._frozen(answer, fds)) from None
+        if not answer.get("frozen"):
             for fd in fds:
                 os.close(fd)
             raise RuntimeError(str(answer.get("why")))
+        return self._frozen(answer, fds)
+
+    def _frozen(self, answer: dict[str, Any], fds: list[int]) -> tuple[int, int, int | None]:
+        """A freeze's answer: (the new layer's fd, the depth, the token or None)."""
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError("the layer helper's answer came without its layer")
         took = answer.get("ms")
         if isinstance(took, float):
             self.freeze_ms = [*self.freeze_ms[-999:], took]
@@ -141,11 +173,11 @@ class LayerHelper:
         token = answer.get("token")
         return fds[0], int(answer["depth"]), None if token is None else int(token)
 
-    def seal(self, token: int, drop: bool = False) -> str:
-        """Make the layer frozen under ``token`` read-only ("" once it is, else why not);
-        ``drop``: only let go of it (its FORK failed before)."""
+    def seal(self, token: int) -> str:
+        """Make the layer frozen under ``token`` read-only ("" once it is, else why not:
+        kept, asked again later)."""
         try:
-            answer, fds = self._ask({"op": "seal", "token": token, "drop": drop}, [])
+            answer, fds = self._ask({"op": "seal", "token": token}, [])
         except RuntimeError as exc:
             return str(exc)
         for fd in fds:
@@ -171,17 +203,27 @@ class LayerHelper:
             self.asked[op] = self.asked.get(op, 0) + 1
             return number
 
-    def _answer(self, number: int) -> tuple[dict[str, Any], list[int]]:
-        """Answer ``number``, reading (in order) the answers asked before it first."""
+    def _answer(self, number: int, keep: bool = False) -> tuple[dict[str, Any], list[int]]:
+        """Answer ``number``, reading (in order) the answers asked before it first, for
+        ANSWER_TIMEOUT_S each and twice that in all (then the helper is ended). Where
+        this is interrupted (a Ctrl-C too) the answer is dropped when read (its fds
+        closed), unless ``keep``: the caller takes it still."""
+        deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
         try:
             with self._asking:
                 while number not in self._answers:
                     if self.broken:
                         raise RuntimeError(self.broken)
+                    if time.monotonic() > deadline:
+                        self._break(
+                            "the layer helper did not answer in time",
+                            TimeoutError(f"{2 * ANSWER_TIMEOUT_S} s"),
+                        )
                     self._read_oldest()
                 return self._answers.pop(number)
-        except BaseException:  # a Ctrl-C too: its answer, when read, is dropped (fds closed)
-            self.forget(number)
+        except BaseException as exc:
+            if not (keep and isinstance(exc, KeyboardInterrupt)):
+                self.forget(number)
             raise
 
     def _read_oldest(self) -> None:
@@ -303,9 +345,7 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
                 token = int(request["token"])
                 layer = pending.layer(token)
                 answer = {"sealed": False, "why": "no such frozen layer"}
-                if layer >= 0 and request.get("drop"):
-                    pending.drop(token)
-                elif layer >= 0:  # kept where it fails: the source's next fork asks again
+                if layer >= 0:  # kept where it fails: the source's next fork asks again
                     frozen_layers.seal(layer, patience_s=SEAL_PATIENCE_S)
                     pending.drop(token)
                     answer = {"sealed": True}

@@ -116,14 +116,17 @@ def adopt_frozen_layer(layer_fd: int) -> None:
     would change the frozen files under its clones)."""
     global _PRIVATE_WRITES_FD
     layer_slots.adopted_layer()
-    files, _stuck = snapshot.private_files()
-    snapshot.reopen_copied_files(files)
-    host_view.reenter_working_directory()
+    # Kept first: it is this sandbox's layer now, whatever happens next.
     if _PRIVATE_WRITES_FD is None:
         _PRIVATE_WRITES_FD = layer_fd
     else:  # the same fd number: what the controller knows it by (its HELLO's report)
-        os.dup2(layer_fd, _PRIVATE_WRITES_FD, inheritable=False)
-        os.close(layer_fd)
+        try:
+            os.dup2(layer_fd, _PRIVATE_WRITES_FD, inheritable=False)
+        finally:
+            os.close(layer_fd)
+    files, _stuck = snapshot.private_files()
+    snapshot.reopen_copied_files(files)
+    host_view.reenter_working_directory()
 
 
 def own_network(config: IsolationConfig, clone: bool = False) -> int:

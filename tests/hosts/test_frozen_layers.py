@@ -558,9 +558,9 @@ def test_the_helper_seals_at_once_unless_a_file_of_the_layer_is_open_for_writing
         late: list[int] = []
         seal = layers.seal
 
-        def counting_seal(source, token, drop=False):
+        def counting_seal(source, token):
             late.append(token)
-            return seal(source, token, drop=drop)
+            return seal(source, token)
 
         monkeypatch.setattr(layers, "seal", counting_seal)
         branches = [envs.fork("a")]
@@ -971,13 +971,236 @@ def test_a_fork_given_up_while_its_source_waits_for_its_layer_leaves_the_source_
         monkeypatch.undo()
         envs.step(np.zeros(1, np.int64))
         # Told at once: it did not wait out its deadline for a layer that never came.
-        assert time.monotonic() - started < sandbox.LAYER_TIMEOUT_S / 2
+        assert time.monotonic() - started < sandbox.SIDE_TIMEOUT_S / 6
         envs.call("write", "/tmp/ws/f0.txt", "after\n")
         branch = envs.fork("b")
         try:
             assert envs.call("layers")[0] == branch.call("layers")[0] == 1
             assert branch.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nafter\n"
             branch.step(np.zeros(1, np.int64))
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class SideSocketWriter(KeepsItsLayer):
+    """What a buggy or hostile env can do with its worker's side socket."""
+
+    @staticmethod
+    def _sock():
+        from gym_fork.hosts.process.worker import ProcessWorker
+
+        frame = sys._getframe()  # the worker serving this call is up the stack
+        while not isinstance(frame.f_locals.get("self"), ProcessWorker):
+            frame = frame.f_back
+        return frame.f_locals["self"].sock
+
+    def send_stale(self):
+        from gym_fork.hosts.process import messages as M
+
+        M.send(self._sock(), M.LayerAdopted(fork_id=0))
+        M.send_with_pidfds(self._sock(), M.ClonesForked([os.getpid()], fork_id=0), [os.getpid()])
+
+    def never_say_adopted(self):
+        """Its next FORK takes its new layer and says nothing more (no LayerAdopted)."""
+        from gym_fork.hosts.process import messages as M
+        from gym_fork.hosts.process import sandbox
+
+        real = sandbox._take_frozen_layer
+
+        def take(worker, fork_id):
+            sandbox._take_frozen_layer = real
+            _layer, fds = M.receive_for(worker.sock, fork_id, M.FrozenLayer, 10.0, "layer")
+            sandbox.adopt_frozen_layer(fds[0])
+            raise RuntimeError("hostile: no LayerAdopted")
+
+        sandbox._take_frozen_layer = take
+
+
+def test_side_socket_messages_of_an_earlier_fork_are_dropped_not_taken_for_this_ones():
+    """Each side-socket message carries its FORK's id: what an earlier FORK left unread
+    (a fork given up midway, a worker that timed out, or an env writing its socket) is
+    dropped with its fds, so one lost exchange never shifts the later ones."""
+    from gym_fork.hosts.process import messages as M
+
+    envs = ForkVectorEnv([SideSocketWriter], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.fork("warm").close()  # the layer helper started: its fds are there
+        envs.call("write", "/tmp/ws/f.txt", "source\n")
+        link = envs.sandboxes.pool.workers[0].host_data
+        M.send(link.sock, M.FrozenLayer(False, fork_id=0))  # controller -> worker, stale
+        M.send(link.sock, M.LayerSealed(True, fork_id=0))
+        envs.call("send_stale")  # worker -> controller, stale (a pidfd of its own with it)
+        source = envs.worker_pids[0]
+        held = _pidfds_of(source)  # the controller's watch of it
+        branch = envs.fork("b")
+        try:
+            assert branch.call("read", "/tmp/ws/f.txt")[0] == "source\n"
+            assert branch.worker_pids[0] != source
+            assert _pidfds_of(source) == held  # the stale one was closed
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_source_that_never_says_its_layer_is_adopted_is_not_forked_on_it(monkeypatch):
+    """A frozen layer that could not be sealed at once (a file of it open for writing)
+    waits for the source's word that it reopened its files. Without it (a hostile env),
+    the layer is sealed all the same, or where it cannot be (the env keeps a file of it
+    open past the overlay), the source is not forked again until it can: its branches
+    never stand on a layer it still writes."""
+    from gym_fork.hosts.process import forking
+
+    monkeypatch.setattr(forking, "SEAL_WAIT_S", 1.0)
+    envs = ForkVectorEnv([SideSocketWriter], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("hold_log")  # a file open for writing: the freeze does not seal at once
+        envs.call("open_for_writing_past_the_overlay")
+        envs.call("never_say_adopted")
+        with pytest.raises(Exception, match=r"not adopted|hostile"):
+            envs.fork("b0")
+        with pytest.raises(RuntimeError, match="not read-only"):
+            envs.fork("b1")  # its frozen layer is still written past the overlay
+        envs.call("close_raw")
+        branch = envs.fork("b2")  # sealed now
+        try:
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "original\n"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def _interrupt_the_freeze_wait(monkeypatch):
+    """A Ctrl-C once the helper's freeze answer is read, before it is taken."""
+    from gym_fork.system.layer_helper import LayerHelper
+
+    real = LayerHelper._read_oldest
+
+    def read_then_interrupt(self):
+        real(self)
+        if any(answer.get("frozen") for answer, _fds in self._answers.values()):
+            monkeypatch.setattr(LayerHelper, "_read_oldest", real)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(LayerHelper, "_read_oldest", read_then_interrupt)
+
+
+@pytest.mark.parametrize("sealed_at_once", [True, False])
+def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(monkeypatch, sealed_at_once):
+    """The helper froze the source's /tmp, and the controller's wait for its answer is
+    interrupted: the answer is taken all the same, the source keeps its new layer (and
+    the frozen one is sealed), the fork is given up; its later writes reach its next
+    branch, and never a branch made before them."""
+    envs = workspace_env()
+    try:
+        if not sealed_at_once:
+            envs.call("hold_log")
+            envs.call("enter", "/tmp/ws")
+        _interrupt_the_freeze_wait(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("interrupted")
+        monkeypatch.undo()
+        envs.step(np.zeros(1, np.int64))
+        first = envs.fork("first")
+        try:
+            envs.call("write", "/tmp/ws/f0.txt", "after\n")
+            envs.call("write", "/tmp/ws/new.txt", "new\n")
+            if not sealed_at_once:
+                envs.call("write_here", "f2.txt", "source's write after the fork\n")
+            second = envs.fork("second")
+            try:
+                assert second.call("read", "/tmp/ws/new.txt")[0] == "new\n"
+                assert second.call("read", "/tmp/ws/f0.txt")[0] == "file 0\nafter\n"
+            finally:
+                second.close()
+            assert first.call("read", "/tmp/ws/f0.txt")[0] == "file 0\n"
+            assert first.call("read", "/tmp/ws/f2.txt")[0] == "file 2\n"
+            assert first.call("read", "/tmp/ws/new.txt")[0] is None
+        finally:
+            first.close()
+    finally:
+        envs.close()
+
+
+def test_a_fork_refused_as_unsealable_leaks_no_cgroup_fd():
+    """A source whose frozen layer cannot be sealed is refused before its clones' fds
+    are sent: the fds of their cgroups (made for them) are closed all the same."""
+    from gym_fork.system.isolation import SandboxLimits
+
+    envs = ForkVectorEnv(
+        [KeepsItsLayer], limits=SandboxLimits(memory_bytes=1 << 30), lineage_log=False
+    )
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("open_for_writing_past_the_overlay")
+        with pytest.raises(Exception, match="not read-only"):
+            envs.fork("b")
+        before = set(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="not read-only"):
+                envs.fork("b")
+        new = set(os.listdir("/proc/self/fd")) - before
+        assert not [fd for fd in new if "cgroup" in _target(fd)]
+        envs.call("close_raw")
+    finally:
+        envs.close()
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _pidfds_of(pid: int) -> int:
+    """How many pidfds of process ``pid`` this process holds."""
+    count = 0
+    for fd in os.listdir("/proc/self/fdinfo"):
+        with contextlib.suppress(OSError), open(f"/proc/self/fdinfo/{fd}") as info:
+            count += f"Pid:\t{pid}\n" in info.read()
+    return count
+
+
+def test_each_source_is_sealed_as_soon_as_it_adopted_its_layer(monkeypatch):
+    """A layer that waits for its source's word before it is sealed is sealed right
+    then, not once the fork's earlier sources have finished forking (a source waiting
+    for its seal behind a slow fan-out of another timed out, and its side socket went
+    out of step)."""
+    from gym_fork.hosts.process import forking
+    from gym_fork.hosts.process.layers import TmpLayers
+
+    events: list[str] = []
+    seal, hand_over = TmpLayers.seal, forking.hand_over
+
+    def sealing(self, source, token):
+        events.append("seal")
+        return seal(self, source, token)
+
+    def handing_over(ends, exchange):
+        events.append("hand over")
+        return hand_over(ends, exchange)
+
+    envs = ForkVectorEnv([Workspace] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.call("hold_log")  # each: a file open for writing, sealed after it reopened
+        monkeypatch.setattr(TmpLayers, "seal", sealing)
+        monkeypatch.setattr(forking, "hand_over", handing_over)
+        branch = envs.fork("b")
+        try:
+            assert events == ["seal", "seal", "hand over", "hand over"]
+            branch.call("log", "branch\n")
+            envs.call("log", "source\n")
+            assert list(branch.call("read", "/tmp/ws/held.log")) == ["before\nbranch\n"] * 2
         finally:
             branch.close()
     finally:

@@ -19,6 +19,7 @@ from gym_fork.hosts.batching import fork_overlapped
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
 from gym_fork.system import cgroups
+from gym_fork.system.layer_helper import FreezeInterrupted
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.text_safety import escape_controls
 from gym_fork.transport.control import MAX_FDS
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 # Sandboxes per spawn or fork message: each takes FDS_PER_SANDBOX fds, and the kernel
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
-SEAL_WAIT_S = 10.0  # a source reopens its /tmp files: milliseconds
+SEAL_WAIT_S = 10.0  # a source reopens its /tmp files: milliseconds (its own wait: 60 s)
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
@@ -80,33 +81,40 @@ def _start_fork(
     clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
     link: SandboxLink = source.host_data
     what = f"fork of {source.name}"
-    frozen = waiting = None
+    fork_id = next(host.fork_ids)  # in the FORK and each side-socket message of it
+    layers = host.tmp_layers
+    frozen: tuple[int, int | None] | None = None
+    waiting: Callable[[], Any] | None = None
     layer_said = False  # the source knows whether a layer comes (it waits for one else)
     try:
-        layers = host.tmp_layers
-        freezing = layers.may_freeze(source, host.tree_isolation)
-        layer_said = not freezing
         try:
-            handed = M.CloneFds(len(orders), groups.controllers, groups.errors, freezing)
+            freezing = layers.may_freeze(source, host.tree_isolation)
+            layer_said = not freezing
+            handed = M.CloneFds(
+                len(orders), groups.controllers, groups.errors, freezing, fork_id=fork_id
+            )
             M.send(link.sock, handed, fds)
         finally:
             groups.close_fds()  # the source has its copies
-        arg = {"clones": clones, "num_envs": num_envs, "ring_capacity": ring_capacity}
+        arg = {
+            "clones": clones,
+            "num_envs": num_envs,
+            "ring_capacity": ring_capacity,
+            "fork_id": fork_id,
+        }
         waiting = job.ask_later(P.FORK, arg)
         if freezing:  # the source wakes and waits for its layer while the helper works
-            frozen = layers.freeze(source) if layers.wrote(source) else None
-            layer = M.FrozenLayer(frozen is not None, frozen is not None and frozen[1] is None)
             try:
-                M.send(link.sock, layer, [] if frozen is None else [frozen[0]])
-                layer_said = True
-            finally:
-                if frozen is not None:
-                    os.close(frozen[0])
+                frozen = layers.freeze(source) if layers.wrote(source) else None
+            except FreezeInterrupted as exc:  # done all the same: the layer must reach it
+                frozen = exc.frozen
+                raise
+            layer_said = True
+            _hand_layer(host, source, link, frozen, fork_id, what)
     except BaseException:
-        if frozen is not None and frozen[1] is not None:
-            host.tmp_layers.seal(source, frozen[1], drop=True)
         if waiting is not None:
-            _give_up(link, waiting, layer_said)
+            due = None if layer_said else (frozen,)  # a layer (or none) it waits for
+            _give_up(host, source, link, waiting, due, fork_id, what)
         for end in ends:
             end.handed_over()
             end.abort()
@@ -114,13 +122,12 @@ def _start_fork(
         raise
 
     def exchange() -> tuple[list[int], list[ProcessWatch]]:
-        if frozen is not None and frozen[1] is not None:
-            _seal_when_adopted(host, source, link, frozen[1], what)
+        assert waiting is not None  # asked above
         pids = waiting()
         if isinstance(pids, dict):  # refused: it would share memory with its clones
             raise _shared_memory_refused(source, pids)
         # The worker sent a pidfd of each clone on its side socket before replying.
-        reply, pidfds = M.receive_reply(link.sock, 5.0, what, M.ClonesForked)
+        reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
         if reply.pids != list(pids):
             M.close_fds(pidfds)
             raise SandboxStartError(f"{what}: pidfds do not match")
@@ -145,28 +152,74 @@ def _start_fork(
     return finish
 
 
-def _give_up(link: SandboxLink, waiting: Callable[[], Any], layer_said: bool) -> None:
-    """A FORK asked and then given up by the controller: tell a source still waiting for
-    its layer (it fails the FORK at once), and take its answer (a source must not be
-    left with a stale one: the next request would get it)."""
+def _hand_layer(
+    host: ProcessHost,
+    source: WorkerHandle,
+    link: SandboxLink,
+    frozen: tuple[int, int | None] | None,
+    fork_id: int,
+    what: str,
+    cancelled: bool = False,
+) -> None:
+    """Send the source its new /tmp layer (FrozenLayer; ``frozen`` None: none, its clones
+    copy its writes), and where the frozen layer is not sealed yet, seal it once the
+    source has reopened its files. A freeze the helper made always reaches its source,
+    even where the fork is given up (``cancelled``): its /tmp is the new layer now."""
+    token = None if frozen is None else frozen[1]
+    layer = M.FrozenLayer(frozen is not None, token is None, cancelled, fork_id)
+    try:
+        M.send(link.sock, layer, [] if frozen is None else [frozen[0]])
+    finally:
+        if frozen is not None:
+            os.close(frozen[0])
+    if token is not None:
+        _seal_when_adopted(host, source, link, token, fork_id, what)
+
+
+def _give_up(
+    host: ProcessHost,
+    source: WorkerHandle,
+    link: SandboxLink,
+    waiting: Callable[[], Any],
+    due: tuple[tuple[int, int | None] | None] | None,
+    fork_id: int,
+    what: str,
+) -> None:
+    """A FORK asked and then given up by the controller. A source still waiting for its
+    layer (``due``: the frozen layer, or None where the helper froze none) is told, with
+    the layer where there is one, and fails the FORK at once; then its answer is taken (a
+    source must not be left with a stale one: the next request would get it)."""
+    if due is not None:
+        with contextlib.suppress(Exception):
+            _hand_layer(host, source, link, due[0], fork_id, what, cancelled=True)
     with contextlib.suppress(Exception):
-        if not layer_said:
-            M.send(link.sock, M.FrozenLayer(False, cancelled=True))
         waiting()
 
 
 def _seal_when_adopted(
-    host: ProcessHost, source: WorkerHandle, link: SandboxLink, token: int, what: str
+    host: ProcessHost,
+    source: WorkerHandle,
+    link: SandboxLink,
+    token: int,
+    fork_id: int,
+    what: str,
 ) -> None:
     """The source reopened its /tmp files on its new layer (LayerAdopted): make the
-    frozen one read-only and tell it (LayerSealed); it forks its clones only then."""
+    frozen one read-only and tell it (LayerSealed); it forks its clones only then. Done
+    right after the layer is sent, whatever other sources of the fork are doing. Never
+    let go of unsealed: a layer that cannot be sealed now (no LayerAdopted in time, a
+    file of it still open for writing) is the source's to seal at its next fork, which
+    is refused until it is."""
     try:
-        M.receive_reply(link.sock, SEAL_WAIT_S, what, M.LayerAdopted)
-    except BaseException:
-        host.tmp_layers.seal(source, token, drop=True)
-        raise  # the FORK's own answer says why (its worker failed or died)
+        M.receive_for(link.sock, fork_id, M.LayerAdopted, SEAL_WAIT_S, what)
+        adopted = ""
+    except SandboxStartError as exc:
+        adopted = str(exc)
     why = host.tmp_layers.seal(source, token)
-    M.send(link.sock, M.LayerSealed(not why, escape_controls(why[:500])))
+    with contextlib.suppress(OSError):
+        M.send(link.sock, M.LayerSealed(not why, escape_controls(why[:500]), fork_id))
+    if adopted:
+        raise SandboxStartError(f"{what}: its new /tmp layer was not adopted ({adopted})")
 
 
 def _clone_groups(host: ProcessHost, count: int) -> cgroups.CloneGroups:

@@ -76,6 +76,7 @@ class ProcessHost(SharedByBranches):
             weakref.WeakValueDictionary()
         )
         self._handle_ids = itertools.count()
+        self.fork_ids = itertools.count(1)  # each FORK's, in its side-socket messages
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
         self._leases = IdleLeases()  # idle sandboxes the warm parent leased to us
         self.tmp_layers = TmpLayers(config.isolation)  # frozen /tmp writes at a fork

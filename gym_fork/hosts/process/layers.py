@@ -23,7 +23,7 @@ from gym_fork.hosts.process import zygote
 from gym_fork.system import frozen_layers
 from gym_fork.system.host_view import TREE_TMP_VIEW
 from gym_fork.system.isolation import IsolationConfig
-from gym_fork.system.layer_helper import LayerHelper
+from gym_fork.system.layer_helper import FreezeInterrupted, LayerHelper
 
 log = logging.getLogger("gym_fork")
 
@@ -133,11 +133,19 @@ class TmpLayers:
             fd, _depth, token = self._helper().freeze(
                 *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
             )
+        except FreezeInterrupted as exc:  # a Ctrl-C: what was frozen goes to the caller
+            if exc.result is not None:
+                fd, _depth, token = exc.result
+                exc.frozen = self._started(asked, fd, token)
+            raise
         except (OSError, RuntimeError) as exc:
             if self.helper is not None and self.helper.broken:
                 self.off = str(exc)
             self._say(source, str(exc))
             return None
+        return self._started(asked, fd, token)
+
+    def _started(self, asked: float, fd: int, token: int | None) -> tuple[int, int | None]:
         if token is None:
             self._swapped(asked)
         else:
@@ -150,16 +158,17 @@ class TmpLayers:
             self.said.add(why)
             log.debug("gym_fork: %s's clones copy its /tmp writes: %s", source.name, why)
 
-    def seal(self, source: WorkerHandle, token: int, drop: bool = False) -> str:
+    def seal(self, source: WorkerHandle, token: int) -> str:
         """Make ``source``'s layer frozen under ``token`` read-only, once it has reopened
         its files ("", else why not: the source's next fork asks again, and is refused
-        while it cannot be); ``drop``: its FORK failed before, only let go of the layer."""
-        why = self._ask_seal(token, drop)
+        while it cannot be). Never let go of unsealed, even where its FORK failed: the
+        source's /tmp stands on it."""
+        why = self._ask_seal(token)
         asked = self.started.pop(token, None)
-        if why and not drop:
+        if why:
             earlier = self.unsealed.get(source.pid, ("", [], source.watch))[1]
             self.unsealed[source.pid] = (why, [*earlier, token], source.watch)
-        elif not why and not drop and asked is not None:
+        elif asked is not None:
             self._swapped(asked)
         return why
 
@@ -180,10 +189,10 @@ class TmpLayers:
                 "it is forked again once it can be made so"
             )
 
-    def _ask_seal(self, token: int, drop: bool = False) -> str:
+    def _ask_seal(self, token: int) -> str:
         if self.helper is None:
             return "the layer helper has ended"
-        return self.helper.seal(token, drop=drop)
+        return self.helper.seal(token)
 
     def _swapped(self, asked: float) -> None:
         self.swap_ms = [*self.swap_ms[-999:], (time.perf_counter() - asked) * 1e3]

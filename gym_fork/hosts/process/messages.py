@@ -29,9 +29,12 @@ received with the types expected at that point and checked by the typed-message 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from gym_fork.errors import SandboxStartError
 from gym_fork.transport.control import MAX_MESSAGE_BYTES
 
 # The typed-message layer, called through this module by the process host's code
@@ -43,6 +46,8 @@ from gym_fork.transport.typed_messages import receive as receive
 from gym_fork.transport.typed_messages import receive_reply as receive_reply
 from gym_fork.transport.typed_messages import send as send
 from gym_fork.transport.typed_messages import send_with_pidfds as send_with_pidfds
+
+_M = TypeVar("_M", bound=Message)
 
 # Fds handed to a new sandbox: its slab, channel, side socket, stdout, stderr.
 FDS_PER_SANDBOX = 5
@@ -256,13 +261,15 @@ class CloneFds(Message):
     gym_fork/system/cgroups.py); ``cgroup_errors``: controller -> why a clone has no
     group of its own under it. ``layer_follows``: the layer helper freezes the source's
     /tmp writes meanwhile (gym_fork/system/frozen_layers.py): a :class:`FrozenLayer`
-    follows the FORK request."""
+    follows the FORK request. ``fork_id``: the FORK's, as in its request and in every
+    side-socket message of it (:func:`receive_for`)."""
 
     OP = "clone-fds"
     clones: int
     cgroups: list[list[str]] = field(default_factory=list)
     cgroup_errors: dict[str, str] = field(default_factory=dict)
     layer_follows: bool = False
+    fork_id: int = 0
 
     def fds_per_clone(self) -> int:
         return FDS_PER_SANDBOX + len(self.cgroups)
@@ -284,6 +291,7 @@ class FrozenLayer(Message):
     frozen: bool
     sealed: bool = False
     cancelled: bool = False
+    fork_id: int = 0
 
     def fd_count(self) -> int:
         return int(self.frozen)
@@ -295,6 +303,7 @@ class LayerAdopted(Message):
     its /tmp files on it: its frozen layer may be sealed (made read-only)."""
 
     OP = "layer-adopted"
+    fork_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -305,6 +314,7 @@ class LayerSealed(Message):
     OP = "layer-sealed"
     sealed: bool
     why: str = ""
+    fork_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -314,3 +324,38 @@ class ClonesForked(Message):
     OP = "clones-forked"
     pids: list[int]
     pidfds: list[bool] = field(default_factory=list)
+    fork_id: int = 0
+
+
+# The side-socket messages of a FORK, as each end reads them.
+TO_SOURCE: tuple[type[Message], ...] = (CloneFds, FrozenLayer, LayerSealed)
+TO_CONTROLLER: tuple[type[Message], ...] = (LayerAdopted, ClonesForked)
+
+
+def receive_for(
+    sock: Any,
+    fork_id: int,
+    expected: type[_M],
+    timeout: float,
+    what: str,
+    earlier: Callable[[Message, list[int]], None] = lambda _message, fds: close_fds(fds),
+) -> tuple[_M, list[int]]:
+    """The ``expected`` message of FORK ``fork_id`` on a side socket, within ``timeout``
+    seconds. A message of an earlier FORK (one given up before all of it was read: its
+    source timed out, or the controller failed midway) goes to ``earlier`` (default: its
+    fds closed), so that one lost exchange never shifts the later ones. Anything else
+    raises SandboxStartError."""
+    kinds = TO_SOURCE if expected in TO_SOURCE else TO_CONTROLLER
+    deadline = time.monotonic() + timeout
+    while True:
+        message, fds = receive_reply(sock, max(0.0, deadline - time.monotonic()), what, *kinds)
+        number = getattr(message, "fork_id", None)
+        if number == fork_id and type(message) is expected:
+            return message, fds
+        if isinstance(number, int) and number < fork_id:
+            earlier(message, fds)
+            continue
+        close_fds(fds)
+        raise SandboxStartError(
+            f"{what}: {message.OP} of fork {number} where {expected.OP} of fork {fork_id} was due"
+        )

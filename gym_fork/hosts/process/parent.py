@@ -68,7 +68,7 @@ class WarmParent:
         self.is_init = bool(tree.tree.get("pid"))
         self.idle = IdlePool(idle_pool_size(), self._become_idle)
         # What its sandboxes will receive (an idle one's assignment, a source's clone fds).
-        M.prepare_decoding(M.Assign, M.CloneFds, M.LayerSealed)
+        M.prepare_decoding(M.Assign, *M.TO_SOURCE)
 
     def spawn(self, request: M.Spawn, fds: list[int]) -> list[int]:
         """Fork one worker per spec of ``request``; fds: FDS_PER_SANDBOX per worker (its

@@ -17,6 +17,7 @@ pidfds of those of a FORK that succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -126,8 +127,11 @@ def _runs_without(fds: list[int], keep: tuple[int, ...]) -> tuple[tuple[int, int
     return tuple(runs)
 
 
-SEAL_TIMEOUT_S = 10.0  # the controller's layer helper makes a tmpfs read-only: milliseconds
-LAYER_TIMEOUT_S = 10.0  # the helper freezes a source's /tmp writes: milliseconds
+# Seconds a worker waits for the controller's next word on its side socket in a FORK
+# (its clones' fds, its new /tmp layer, the frozen one sealed: milliseconds). Longer
+# than the controller's own waits in between (the layer helper: 10 s at most), so that
+# the controller, not the worker, is the one that gives up.
+SIDE_TIMEOUT_S = 60.0
 
 
 def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[str, list[str]]:
@@ -138,10 +142,15 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     class names} instead, before any clone is made, if they would share memory or files
     with this worker."""
     clones = arg["clones"]
-    handed, fds = M.receive(worker.sock, M.CloneFds)
+    fork_id = arg.get("fork_id")
+    if type(fork_id) is not int:
+        raise TypeError(f"fork: a FORK's id must be an int, got {fork_id!r}")
+    handed, fds = M.receive_for(
+        worker.sock, fork_id, M.CloneFds, SIDE_TIMEOUT_S, "clone fds", _late
+    )
     try:
         if handed.layer_follows:  # the layer helper is freezing its /tmp writes now
-            _take_frozen_layer(worker)
+            _take_frozen_layer(worker, fork_id)
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
@@ -174,7 +183,10 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
                 pids = [watch.pid for watch in watches]
                 # The controller learns the clones' pids in its own pid namespace from these.
                 M.send_with_pidfds(
-                    worker.sock, M.ClonesForked(pids), pids, [watch.fd for watch in watches]
+                    worker.sock,
+                    M.ClonesForked(pids, fork_id=fork_id),
+                    pids,
+                    [watch.fd for watch in watches],
                 )
                 os.write(commit[1], _COMMIT * len(plan))  # each clone may serve now
             except BaseException:
@@ -191,31 +203,47 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
             os.close(fd)
 
 
-def _take_frozen_layer(worker: ProcessWorker) -> None:
+def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> None:
     """The controller's word on this worker's /tmp, frozen while it woke: where its
     writes are a shared read-only layer now, keep the new upper layer that comes with
     it (reopening its /tmp files there) and, if the frozen layer could not be sealed at
-    once (a file of it was open for writing), say so and wait until it is."""
-    layer, fds = M.receive_reply(worker.sock, LAYER_TIMEOUT_S, "frozen layer", M.FrozenLayer)
-    if layer.cancelled or not layer.frozen:
-        M.close_fds(fds)
-        if layer.cancelled:
-            raise RuntimeError("fork: the controller gave it up")
-        return  # its clones copy its writes
-    failed: OSError | None = None
-    try:
-        adopt_frozen_layer(fds[0])
-    except OSError as exc:
-        failed = exc
+    once (a file of it was open for writing), say so and wait until it is. A fork the
+    controller gave up on (``cancelled``) fails here, its layer kept all the same."""
+    layer, fds = M.receive_for(
+        worker.sock, fork_id, M.FrozenLayer, SIDE_TIMEOUT_S, "frozen layer", _late
+    )
     why = ""
-    if not layer.sealed:  # a file of it was open for writing: sealed now
-        M.send(worker.sock, M.LayerAdopted())  # whatever happened: the controller waits
-        sealed, _ = M.receive_reply(worker.sock, SEAL_TIMEOUT_S, "seal", M.LayerSealed)
-        why = "" if sealed.sealed else sealed.why
-    if failed is not None:
-        raise failed
+    if layer.frozen:
+        failed: Exception | None = None
+        try:
+            adopt_frozen_layer(fds[0])
+        except Exception as exc:  # whatever it was: the controller waits for a word
+            failed = exc
+        if not layer.sealed:  # a file of it was open for writing: sealed now
+            M.send(worker.sock, M.LayerAdopted(fork_id))
+            sealed, _ = M.receive_for(
+                worker.sock, fork_id, M.LayerSealed, SIDE_TIMEOUT_S, "seal", _late
+            )
+            why = "" if sealed.sealed else sealed.why
+        if failed is not None:
+            raise failed
+    else:
+        M.close_fds(fds)
+    if layer.cancelled:
+        raise RuntimeError("fork: the controller gave it up")
     if why:
         raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
+
+
+def _late(message: M.Message, fds: list[int]) -> None:
+    """A side-socket message of an earlier FORK, read at a later one: a new /tmp layer
+    that came too late (this worker had given up waiting) is its /tmp all the same, and
+    is kept; anything else is dropped."""
+    if isinstance(message, M.FrozenLayer) and message.frozen and len(fds) == 1:
+        with contextlib.suppress(Exception):
+            adopt_frozen_layer(fds[0])
+        return
+    M.close_fds(fds)
 
 
 @dataclass
