@@ -41,12 +41,14 @@ MAX_UNREAD = 32
 class FreezeInterrupted(KeyboardInterrupt):
     """A Ctrl-C while a freeze's answer was awaited: the answer was taken all the same
     (the source's /tmp is the new layer by then, which must reach it): ``result`` is
-    what :meth:`LayerHelper.freeze` would have returned, or None where it froze
-    nothing; ``frozen`` is (layer fd, token) for the caller to hand over, or None."""
+    what :meth:`LayerHelper.freeze` would have returned, or None where there is none:
+    ``why`` then says why the source's layer is unknown ("": the helper froze nothing).
+    ``frozen`` is (layer fd, token) for the caller to hand over, or None."""
 
-    def __init__(self, result: tuple[int, int, int | None] | None) -> None:
+    def __init__(self, result: tuple[int, int, int | None] | None, why: str = "") -> None:
         super().__init__()
         self.result = result
+        self.why = why
         self.frozen: tuple[int, int | None] | None = None
 
 
@@ -144,20 +146,33 @@ class LayerHelper:
         try:
             answer, fds = self._answer(number, keep=True)
         except KeyboardInterrupt:
-            try:
-                answer, fds = self._answer(number)  # a second Ctrl-C gives up on it
-            except RuntimeError:  # the helper broke (and is ended): nothing to take
-                raise FreezeInterrupted(None) from None
-            if not answer.get("frozen"):
-                for fd in fds:
-                    os.close(fd)
-                raise FreezeInterrupted(None) from None
-            raise FreezeInterrupted(self._frozen(answer, fds)) from None
+            raise self._interrupted(number) from None
         if not answer.get("frozen"):
             for fd in fds:
                 os.close(fd)
             raise RuntimeError(str(answer.get("why")))
         return self._frozen(answer, fds)
+
+    def _interrupted(self, number: int) -> FreezeInterrupted:
+        """A Ctrl-C during freeze ``number``'s wait: its answer is taken first (within the
+        answer's deadline, through further Ctrl-Cs), for the caller to hand over."""
+        deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
+        while True:
+            try:
+                answer, fds = self._answer(number, keep=True, deadline=deadline)
+                break
+            except KeyboardInterrupt:
+                continue
+            except RuntimeError as exc:  # the helper broke (and is ended) meanwhile
+                return FreezeInterrupted(None, f"the layer helper ended during its freeze ({exc})")
+        if not answer.get("frozen"):
+            for fd in fds:
+                os.close(fd)
+            return FreezeInterrupted(None)
+        try:
+            return FreezeInterrupted(self._frozen(answer, fds))
+        except RuntimeError as exc:
+            return FreezeInterrupted(None, str(exc))
 
     def _frozen(self, answer: dict[str, Any], fds: list[int]) -> tuple[int, int, int | None]:
         """A freeze's answer: (the new layer's fd, the depth, the token or None)."""
@@ -203,23 +218,32 @@ class LayerHelper:
             self.asked[op] = self.asked.get(op, 0) + 1
             return number
 
-    def _answer(self, number: int, keep: bool = False) -> tuple[dict[str, Any], list[int]]:
-        """Answer ``number``, reading (in order) the answers asked before it first, for
-        ANSWER_TIMEOUT_S each and twice that in all (then the helper is ended). Where
-        this is interrupted (a Ctrl-C too) the answer is dropped when read (its fds
-        closed), unless ``keep``: the caller takes it still."""
-        deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
+    def _answer(
+        self, number: int, keep: bool = False, deadline: float | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Answer ``number``, reading (in order) the answers asked before it first, by
+        ``deadline`` (``time.monotonic()``; default 2 * ANSWER_TIMEOUT_S from now; past
+        it the helper is ended). Where this is interrupted (a Ctrl-C too) the answer is
+        dropped when read (its fds closed), unless ``keep``: the caller takes it still."""
+        if deadline is None:
+            deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
         try:
             with self._asking:
                 while number not in self._answers:
                     if self.broken:
                         raise RuntimeError(self.broken)
-                    if time.monotonic() > deadline:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         self._break(
                             "the layer helper did not answer in time",
                             TimeoutError(f"{2 * ANSWER_TIMEOUT_S} s"),
                         )
-                    self._read_oldest()
+                    self.sock.settimeout(min(ANSWER_TIMEOUT_S, left))
+                    try:
+                        self._read_oldest()
+                    finally:
+                        with contextlib.suppress(OSError):  # ended meanwhile: closed
+                            self.sock.settimeout(ANSWER_TIMEOUT_S)
                 return self._answers.pop(number)
         except BaseException as exc:
             if not (keep and isinstance(exc, KeyboardInterrupt)):

@@ -1091,8 +1091,10 @@ def _interrupt_the_freeze_wait(monkeypatch):
     monkeypatch.setattr(LayerHelper, "_read_oldest", read_then_interrupt)
 
 
-@pytest.mark.parametrize("sealed_at_once", [True, False])
-def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(monkeypatch, sealed_at_once):
+@pytest.mark.parametrize(("sealed_at_once", "twice"), [(True, False), (False, False), (True, True)])
+def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(
+    monkeypatch, sealed_at_once, twice
+):
     """The helper froze the source's /tmp, and the controller's wait for its answer is
     interrupted: the answer is taken all the same, the source keeps its new layer (and
     the frozen one is sealed), the fork is given up; its later writes reach its next
@@ -1103,6 +1105,18 @@ def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(monkeypatch, se
             envs.call("hold_log")
             envs.call("enter", "/tmp/ws")
         _interrupt_the_freeze_wait(monkeypatch)
+        if twice:  # a second Ctrl-C while the answer is taken all the same
+            from gym_fork.system.layer_helper import LayerHelper
+
+            answer = LayerHelper._answer
+
+            def interrupted_again(self, number, keep=False, deadline=None):
+                if deadline is not None:
+                    monkeypatch.setattr(LayerHelper, "_answer", answer)
+                    raise KeyboardInterrupt
+                return answer(self, number, keep, deadline)
+
+            monkeypatch.setattr(LayerHelper, "_answer", interrupted_again)
         with pytest.raises(KeyboardInterrupt):
             envs.fork("interrupted")
         monkeypatch.undo()
@@ -1203,5 +1217,113 @@ def test_each_source_is_sealed_as_soon_as_it_adopted_its_layer(monkeypatch):
             assert list(branch.call("read", "/tmp/ws/held.log")) == ["before\nbranch\n"] * 2
         finally:
             branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_ctrl_c_while_a_layer_waits_for_its_seal_leaves_it_to_be_sealed_first(monkeypatch):
+    """A frozen layer is recorded unsealed from its freeze on: a Ctrl-C while its source's
+    word or the seal is awaited leaves it so, and the source's next fork seals it before
+    anything else (a branch never stands on a layer its source can still write)."""
+    from gym_fork.hosts.process import messages as M
+
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("hold_log")  # a file open for writing: not sealed within the freeze
+        envs.call("stash_layer")  # a dup of its layer's fd, past /tmp's overlay
+        real = M.receive_for
+
+        def interrupted(sock, fork_id, expected, *args, **kwargs):
+            message = real(sock, fork_id, expected, *args, **kwargs)
+            if expected is M.LayerAdopted:
+                monkeypatch.setattr(M, "receive_for", real)
+                raise KeyboardInterrupt  # right after the source's word came
+            return message
+
+        monkeypatch.setattr(M, "receive_for", interrupted)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("b0")
+        assert time.monotonic() - started < 10  # the source was told: no 60 s wait
+        monkeypatch.undo()
+        assert envs.sandboxes.host.tmp_layers.unsealed
+        envs.call("write", "/tmp/ws/new.txt", "new\n")
+        branch = envs.fork("b1")  # sealed first: the source has reopened its files
+        try:
+            assert envs.call("write_through_stash", "ws/file.txt", "later\n")[0] == "EROFS"
+            assert branch.call("read", "/tmp/ws/file.txt")[0] == "original\n"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_ctrl_c_while_sealing_again_keeps_the_source_refused(monkeypatch):
+    """A source refused because its frozen layer cannot be sealed stays refused when a
+    Ctrl-C cuts the next try short: no token leaves the record before it is sealed."""
+    from gym_fork.system.layer_helper import LayerHelper
+
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("open_for_writing_past_the_overlay")  # the layer cannot be sealed
+        with pytest.raises(Exception, match="not read-only"):
+            envs.fork("b0")
+        real = LayerHelper.seal
+
+        def interrupted(self, token):
+            monkeypatch.setattr(LayerHelper, "seal", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(LayerHelper, "seal", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("b1")
+        monkeypatch.undo()
+        with pytest.raises(RuntimeError, match="not read-only"):
+            envs.fork("b2")
+        envs.call("close_raw")
+        envs.fork("b3").close()  # sealed now
+    finally:
+        envs.close()
+
+
+def test_a_source_whose_freeze_the_helper_did_not_answer_is_not_forked_again(monkeypatch):
+    """The helper ended during a source's freeze (killed past its deadline, or died):
+    it may have covered the source's /tmp with a new layer that never reached the source,
+    whose clones would then copy a stale layer and miss its writes. That fork fails, the
+    source is not forked again (saying why), and the host's other sources fork on,
+    copying their writes (frozen layers are off for it)."""
+    from gym_fork.system.layer_helper import LayerHelper
+
+    envs = ForkVectorEnv([Workspace] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.fork("first", indices=[0]).close()  # the helper runs
+        envs.call("write", "/tmp/ws/g.txt", "y\n")
+        send = LayerHelper._send
+
+        def then_killed(self, request, fds):
+            number = send(self, request, fds)
+            if request.get("op") == "freeze":
+                monkeypatch.setattr(LayerHelper, "_send", send)
+                self.watch.kill() if self.watch is not None else self.process.kill()
+            return number
+
+        monkeypatch.setattr(LayerHelper, "_send", then_killed)
+        with pytest.raises(RuntimeError, match="layer helper ended during its freeze"):
+            envs.fork("cut", indices=[0])
+        monkeypatch.undo()
+        with pytest.raises(RuntimeError, match="not forked again"):
+            envs.fork("again", indices=[0])
+        other = envs.fork("other", indices=[1])
+        try:
+            assert other.call("read", "/tmp/ws/g.txt")[0] == "y\n"
+            assert other.call("layers")[0] == 0  # copied
+        finally:
+            other.close()
     finally:
         envs.close()

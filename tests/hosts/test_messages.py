@@ -4,6 +4,8 @@ the typed-message layer's (tests/transport/test_typed_messages.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from gym_fork.hosts.process import messages as M
@@ -50,3 +52,36 @@ def test_sandboxes_come_with_their_fds():
     assert M.FrozenLayer(True).fd_count() == 1 and M.FrozenLayer(False).fd_count() == 0
     assert M.ForkWarmParent({}, {}).fd_count() == 3
     assert M.Spawned([4, 5], [], [True, False]).fd_count() == 1
+
+
+def test_a_wait_for_a_forks_message_keeps_its_deadline_under_a_flood_of_earlier_ones():
+    """A hostile sandbox writing messages "of an earlier fork" as fast as it can: they
+    are dropped, but the wait gives up by its deadline (and after a bounded number of
+    them), not when the flood ends."""
+    import socket
+    import threading
+    import time
+
+    from gym_fork.errors import SandboxStartError
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stop = time.monotonic() + 3.0
+
+    def flood() -> None:
+        with contextlib.suppress(OSError):
+            while time.monotonic() < stop:
+                M.send(theirs, M.LayerAdopted(fork_id=0))
+
+    writer = threading.Thread(target=flood, daemon=True)
+    writer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SandboxStartError):
+            M.receive_for(ours, 5, M.LayerAdopted, 0.2, "flooded")
+        took = time.monotonic() - started
+    finally:
+        stop = 0
+        ours.close()
+        writer.join()
+        theirs.close()
+    assert took < 1.5

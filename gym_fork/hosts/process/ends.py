@@ -15,6 +15,8 @@ from gym_fork.hosts.output import OutputCollector
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.transport.channel import Channel
 
+SIDE_SEND_TIMEOUT_S = 10.0  # a side-socket message is sent in microseconds
+
 
 @dataclass
 class SandboxLink:
@@ -42,6 +44,9 @@ class SandboxEnds:
         self.output = output
         self.channel = Channel.create(spec.name, ring_capacity)
         self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A send to a sandbox that never reads its socket (full) fails instead of hanging
+        # the controller; every read on it has its own deadline as well.
+        self.ours.settimeout(SIDE_SEND_TIMEOUT_S)
         (self.out_r, self.out_w), (self.err_r, self.err_w) = output.new_pipes()
 
     def fds(self) -> list[int]:

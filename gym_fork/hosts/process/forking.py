@@ -19,7 +19,6 @@ from gym_fork.hosts.batching import fork_overlapped
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
 from gym_fork.system import cgroups
-from gym_fork.system.layer_helper import FreezeInterrupted
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.text_safety import escape_controls
 from gym_fork.transport.control import MAX_FDS
@@ -104,16 +103,16 @@ def _start_fork(
         }
         waiting = job.ask_later(P.FORK, arg)
         if freezing:  # the source wakes and waits for its layer while the helper works
-            try:
-                frozen = layers.freeze(source) if layers.wrote(source) else None
-            except FreezeInterrupted as exc:  # done all the same: the layer must reach it
-                frozen = exc.frozen
-                raise
+            if layers.wrote(source) and layers.freeze(source) is not None:
+                frozen = layers.take_in_flight(source)
+            _send_layer(link, frozen, fork_id)
             layer_said = True
-            _hand_layer(host, source, link, frozen, fork_id, what)
+            if frozen is not None and frozen[1] is not None:
+                _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     except BaseException:
         if waiting is not None:
-            due = None if layer_said else (frozen,)  # a layer (or none) it waits for
+            # A freeze the helper made reaches its source even now (a Ctrl-C included).
+            due = None if layer_said else (layers.take_in_flight(source) or frozen,)
             _give_up(host, source, link, waiting, due, fork_id, what)
         for end in ends:
             end.handed_over()
@@ -152,28 +151,17 @@ def _start_fork(
     return finish
 
 
-def _hand_layer(
-    host: ProcessHost,
-    source: WorkerHandle,
-    link: SandboxLink,
-    frozen: tuple[int, int | None] | None,
-    fork_id: int,
-    what: str,
-    cancelled: bool = False,
+def _send_layer(
+    link: SandboxLink, frozen: tuple[int, int | None] | None, fork_id: int, cancelled: bool = False
 ) -> None:
     """Send the source its new /tmp layer (FrozenLayer; ``frozen`` None: none, its clones
-    copy its writes), and where the frozen layer is not sealed yet, seal it once the
-    source has reopened its files. A freeze the helper made always reaches its source,
-    even where the fork is given up (``cancelled``): its /tmp is the new layer now."""
+    copy its writes; ``cancelled``: the fork is given up, the layer kept all the same).
+    A freeze the helper made always reaches its source: its /tmp is the new layer now."""
     token = None if frozen is None else frozen[1]
     layer = M.FrozenLayer(frozen is not None, token is None, cancelled, fork_id)
-    try:
-        M.send(link.sock, layer, [] if frozen is None else [frozen[0]])
-    finally:
-        if frozen is not None:
-            os.close(frozen[0])
-    if token is not None:
-        _seal_when_adopted(host, source, link, token, fork_id, what)
+    M.send(link.sock, layer, [] if frozen is None else [frozen[0]])  # raises: fd kept
+    if frozen is not None:
+        os.close(frozen[0])
 
 
 def _give_up(
@@ -187,11 +175,21 @@ def _give_up(
 ) -> None:
     """A FORK asked and then given up by the controller. A source still waiting for its
     layer (``due``: the frozen layer, or None where the helper froze none) is told, with
-    the layer where there is one, and fails the FORK at once; then its answer is taken (a
-    source must not be left with a stale one: the next request would get it)."""
+    the layer where there is one (sealed once adopted: else it stays recorded unsealed,
+    and is sealed before the source's next fork), and fails the FORK at once; then its
+    answer is taken (a source must not be left with a stale one: the next request would
+    get it)."""
     if due is not None:
-        with contextlib.suppress(Exception):
-            _hand_layer(host, source, link, due[0], fork_id, what, cancelled=True)
+        frozen = due[0]
+        try:
+            _send_layer(link, frozen, fork_id, cancelled=True)
+        except Exception:  # gone, or deaf: the helper lets go of its layers once it exits
+            if frozen is not None:
+                os.close(frozen[0])
+        else:
+            if frozen is not None and frozen[1] is not None:
+                with contextlib.suppress(Exception):
+                    _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     with contextlib.suppress(Exception):
         waiting()
 
@@ -206,20 +204,23 @@ def _seal_when_adopted(
 ) -> None:
     """The source reopened its /tmp files on its new layer (LayerAdopted): make the
     frozen one read-only and tell it (LayerSealed); it forks its clones only then. Done
-    right after the layer is sent, whatever other sources of the fork are doing. Never
-    let go of unsealed: a layer that cannot be sealed now (no LayerAdopted in time, a
-    file of it still open for writing) is the source's to seal at its next fork, which
-    is refused until it is."""
+    right after the layer is sent, whatever other sources of the fork are doing. A layer
+    not sealed here (no word from the source in time, a file of it still open for
+    writing, a Ctrl-C) stays recorded unsealed from its freeze on: the source's next
+    fork seals it first, and is refused until it can. The source is told, whatever
+    happened, so that it does not wait out its own deadline."""
+    sealed, why = False, "the controller gave the fork up"
     try:
         M.receive_for(link.sock, fork_id, M.LayerAdopted, SEAL_WAIT_S, what)
-        adopted = ""
-    except SandboxStartError as exc:
-        adopted = str(exc)
-    why = host.tmp_layers.seal(source, token)
-    with contextlib.suppress(OSError):
-        M.send(link.sock, M.LayerSealed(not why, escape_controls(why[:500]), fork_id))
-    if adopted:
-        raise SandboxStartError(f"{what}: its new /tmp layer was not adopted ({adopted})")
+        why = host.tmp_layers.seal(source, token)
+        sealed = not why
+    except SandboxStartError as exc:  # no word in time: sealed if it can be, all the same
+        host.tmp_layers.seal(source, token)
+        why = f"its new /tmp layer was not adopted in time ({exc})"
+        raise SandboxStartError(f"{what}: {why}") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            M.send(link.sock, M.LayerSealed(sealed, escape_controls(why[:500]), fork_id))
 
 
 def _clone_groups(host: ProcessHost, count: int) -> cgroups.CloneGroups:

@@ -38,8 +38,17 @@ class TmpLayers:
         self.said: set[str] = set()
         # pid -> why its frozen layers are not read-only, their tokens (asked again at its
         # next fork: the cause may be gone, e.g. a deleted file it mapped) and its watch
-        # (forgotten once it has exited: the helper lets go of its layers then)
+        # (forgotten once it has exited: the helper lets go of its layers then). A token
+        # is here from its freeze on, and leaves once sealed: whatever stops a fork
+        # midway (a Ctrl-C included) leaves it to be sealed before the next one.
         self.unsealed: dict[int, tuple[str, list[int], Any]] = {}
+        # pid -> why its /tmp's layer is unknown to gym_fork (a freeze whose new layer
+        # never reached it: the helper ended mid-freeze, or a fork was interrupted
+        # twice): its clones would copy a stale layer and miss its writes, so it is not
+        # forked again. Forgotten once it has exited.
+        self.lost: dict[int, tuple[str, Any]] = {}
+        # pid -> a freeze's (new layer fd, token) not yet sent to its source
+        self.in_flight: dict[int, tuple[int, int | None]] = {}
         self._starting = threading.Lock()  # one helper, whichever thread forks first
         self.started: dict[int, float] = {}  # token -> when its freeze was asked
         # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
@@ -103,10 +112,19 @@ class TmpLayers:
         """Before a FORK of ``source``: whether its /tmp writes may be frozen (then
         :meth:`wrote` and :meth:`freeze` follow its FORK request); else its clones copy
         them. Raises RuntimeError for a source whose frozen layer could not be sealed
-        before: no clone may stand on a layer that can still be written."""
+        before (no clone may stand on a layer that can still be written), or whose
+        layer was lost."""
         for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
             if not watch.alive():
-                del self.unsealed[pid]
+                self.unsealed.pop(pid, None)
+        for pid, (_why, watch) in list(self.lost.items()):
+            if not watch.alive():
+                self.lost.pop(pid, None)
+        if source.pid in self.lost:
+            raise RuntimeError(
+                f"fork of {source.name}: {self.lost[source.pid][0]}; its branches would "
+                "miss its /tmp writes, so it is not forked again"
+            )
         if source.pid in self.unsealed:
             self._seal_again(source)
         why = self.off or _why_not_for(source, tree)
@@ -127,30 +145,58 @@ class TmpLayers:
         """Freeze the /tmp writes of ``source`` (:meth:`may_freeze` said so): (the fd of
         its new upper layer, to send it; the token to :meth:`seal` with once it has
         reopened its files, or None where the helper sealed the frozen layer already),
-        or None (its clones copy them; the helper said why)."""
+        or None (its clones copy them; the helper said why). RuntimeError where the
+        helper ended midway: the source's layer is unknown then, and it is not forked
+        again."""
         asked = time.perf_counter()
         try:
             fd, _depth, token = self._helper().freeze(
                 *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
             )
         except FreezeInterrupted as exc:  # a Ctrl-C: what was frozen goes to the caller
-            if exc.result is not None:
+            if exc.result is None:
+                self._lose(source, exc.why)
+            else:
                 fd, _depth, token = exc.result
-                exc.frozen = self._started(asked, fd, token)
+                exc.frozen = self._started(source, asked, fd, token)
             raise
         except (OSError, RuntimeError) as exc:
             if self.helper is not None and self.helper.broken:
+                # It may have covered the source's /tmp with the new layer already.
                 self.off = str(exc)
+                why = f"the layer helper ended during its freeze ({exc})"
+                self._lose(source, why)
+                raise RuntimeError(f"fork of {source.name}: {why}") from exc
             self._say(source, str(exc))
             return None
-        return self._started(asked, fd, token)
+        return self._started(source, asked, fd, token)
 
-    def _started(self, asked: float, fd: int, token: int | None) -> tuple[int, int | None]:
+    def _started(
+        self, source: WorkerHandle, asked: float, fd: int, token: int | None
+    ) -> tuple[int, int | None]:
+        """A freeze's result, kept (in flight, and its token as unsealed) until it is
+        sent and sealed."""
+        self.in_flight[source.pid] = (fd, token)
         if token is None:
             self._swapped(asked)
         else:
             self.started[token] = asked
+            self._unsealed(source, token, "it was not sealed yet")
         return fd, token
+
+    def take_in_flight(self, source: WorkerHandle) -> tuple[int, int | None] | None:
+        """The freeze of ``source`` not sent to it yet (its caller sends it now)."""
+        return self.in_flight.pop(source.pid, None)
+
+    def _lose(self, source: WorkerHandle, why: str) -> None:
+        if why:  # "": the helper surely froze nothing
+            self.lost[source.pid] = (why, source.watch)
+
+    def _unsealed(self, source: WorkerHandle, token: int, why: str) -> None:
+        tokens = self.unsealed.get(source.pid, ("", [], source.watch))[1]
+        if token not in tokens:
+            tokens = [*tokens, token]
+        self.unsealed[source.pid] = (why, tokens, source.watch)
 
     def _say(self, source: WorkerHandle, why: str) -> None:
         """Log once at DEBUG why a source's clones copy its /tmp writes."""
@@ -164,26 +210,37 @@ class TmpLayers:
         while it cannot be). Never let go of unsealed, even where its FORK failed: the
         source's /tmp stands on it."""
         why = self._ask_seal(token)
-        asked = self.started.pop(token, None)
         if why:
-            earlier = self.unsealed.get(source.pid, ("", [], source.watch))[1]
-            self.unsealed[source.pid] = (why, [*earlier, token], source.watch)
-        elif asked is not None:
+            self._unsealed(source, token, why)
+            return why
+        self._sealed(source, token)
+        asked = self.started.pop(token, None)
+        if asked is not None:
             self._swapped(asked)
         return why
 
-    def _seal_again(self, source: WorkerHandle) -> None:
-        """Before another fork of a source whose frozen layers could not be sealed:
-        try again; RuntimeError while one still cannot (no clone may stand on it)."""
-        why, tokens, watch = self.unsealed.pop(source.pid)
-        left = []
-        for token in tokens:
-            again = self._ask_seal(token)
-            if again:
-                why = again
-                left.append(token)
+    def _sealed(self, source: WorkerHandle, token: int) -> None:
+        why, tokens, watch = self.unsealed.get(source.pid, ("", [], source.watch))
+        left = [t for t in tokens if t != token]
         if left:
             self.unsealed[source.pid] = (why, left, watch)
+        else:
+            self.unsealed.pop(source.pid, None)
+
+    def _seal_again(self, source: WorkerHandle) -> None:
+        """Before another fork of a source whose frozen layers could not be sealed:
+        try again; RuntimeError while one still cannot (no clone may stand on it). Each
+        token leaves the record only once sealed."""
+        _why, tokens, _watch = self.unsealed[source.pid]
+        for token in list(tokens):
+            again = self._ask_seal(token)
+            if again:
+                self._unsealed(source, token, again)
+            else:
+                self._sealed(source, token)
+                self.started.pop(token, None)
+        if source.pid in self.unsealed:
+            why = self.unsealed[source.pid][0]
             raise RuntimeError(
                 f"fork of {source.name}: its /tmp's frozen layer is not read-only ({why}): "
                 "it is forked again once it can be made so"
@@ -200,6 +257,9 @@ class TmpLayers:
     def close(self) -> None:
         """End the helper, if one was started."""
         self.checks.clear()
+        for fd, _token in self.in_flight.values():
+            os.close(fd)
+        self.in_flight.clear()
         helper, self.helper = self.helper, None
         if helper is not None:
             helper.close()

@@ -327,7 +327,9 @@ class ClonesForked(Message):
     fork_id: int = 0
 
 
-# The side-socket messages of a FORK, as each end reads them.
+# The side-socket messages of a FORK, as each end reads them; at most MAX_EARLIER of
+# earlier FORKs are dropped in one wait (a FORK leaves at most three behind).
+MAX_EARLIER = 16
 TO_SOURCE: tuple[type[Message], ...] = (CloneFds, FrozenLayer, LayerSealed)
 TO_CONTROLLER: tuple[type[Message], ...] = (LayerAdopted, ClonesForked)
 
@@ -347,8 +349,11 @@ def receive_for(
     raises SandboxStartError."""
     kinds = TO_SOURCE if expected in TO_SOURCE else TO_CONTROLLER
     deadline = time.monotonic() + timeout
-    while True:
-        message, fds = receive_reply(sock, max(0.0, deadline - time.monotonic()), what, *kinds)
+    for _ in range(MAX_EARLIER + 1):  # a peer flooding earlier ones is not waited on for ever
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        message, fds = receive_reply(sock, left, what, *kinds)
         number = getattr(message, "fork_id", None)
         if number == fork_id and type(message) is expected:
             return message, fds
@@ -359,3 +364,4 @@ def receive_for(
         raise SandboxStartError(
             f"{what}: {message.OP} of fork {number} where {expected.OP} of fork {fork_id} was due"
         )
+    raise SandboxStartError(f"{what}: no {expected.OP} of fork {fork_id} within {timeout} s")
