@@ -111,7 +111,10 @@ def cgroup_planting_parent_env(depth: int, report: str):
 
         made = []
         for tree in glob.glob("/sys/fs/cgroup/*/gym_fork-*"):
-            if os.stat(tree).st_uid != os.geteuid():  # another tree's (unmapped here)
+            try:
+                if os.stat(tree).st_uid != os.geteuid():  # another tree's (unmapped here)
+                    continue
+            except FileNotFoundError:  # another tree's, removed since it was listed
                 continue
             path = tree
             for level in range(depth):
