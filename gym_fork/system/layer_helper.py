@@ -52,6 +52,12 @@ class FreezeInterrupted(KeyboardInterrupt):
         self.frozen: tuple[int, int | None] | None = None
 
 
+class LayerLost(RuntimeError):
+    """The helper may have frozen a source's /tmp, and its new layer did not come back:
+    it ended while that freeze was the request it was on, or its answer came without
+    the layer. The source's /tmp then stands on a layer no one holds."""
+
+
 class LayerHelper:
     """The controller's end: :meth:`freeze` asks, ``close`` ends the helper."""
 
@@ -96,6 +102,7 @@ class LayerHelper:
         self._answers: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self._abandoned: set[int] = set()  # their answers are dropped when read
         self.broken = ""  # why no freeze is asked any more
+        self.broke_on: int | None = None  # the request it was on when it ended
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
         self.asked: dict[str, int] = {}  # requests sent, by op
         self.found_ahead = 0  # freezes that took what their check found (mount table, ...)
@@ -142,11 +149,15 @@ class LayerHelper:
         was); a helper that does not answer in time is killed, and every later call
         raises."""
         request = {"op": "freeze", "layer_fd": layer_fd, "size": size_bytes, "base": base}
-        number = self._send(request, [pidfd])
+        number = self._send(request, [pidfd])  # RuntimeError: ended before: nothing asked
         try:
             answer, fds = self._answer(number, keep=True)
         except KeyboardInterrupt:
             raise self._interrupted(number) from None
+        except RuntimeError as exc:
+            if self.broke_on == number:  # it ended on this very freeze
+                raise LayerLost(f"the layer helper ended during its freeze ({exc})") from exc
+            raise  # it ended on an earlier request: this freeze never began
         if not answer.get("frozen"):
             for fd in fds:
                 os.close(fd)
@@ -164,14 +175,17 @@ class LayerHelper:
             except KeyboardInterrupt:
                 continue
             except RuntimeError as exc:  # the helper broke (and is ended) meanwhile
-                return FreezeInterrupted(None, f"the layer helper ended during its freeze ({exc})")
+                lost = self.broke_on == number
+                return FreezeInterrupted(
+                    None, f"the layer helper ended during its freeze ({exc})" if lost else ""
+                )
         if not answer.get("frozen"):
             for fd in fds:
                 os.close(fd)
             return FreezeInterrupted(None)
         try:
             return FreezeInterrupted(self._frozen(answer, fds))
-        except RuntimeError as exc:
+        except LayerLost as exc:
             return FreezeInterrupted(None, str(exc))
 
     def _frozen(self, answer: dict[str, Any], fds: list[int]) -> tuple[int, int, int | None]:
@@ -179,7 +193,7 @@ class LayerHelper:
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            raise RuntimeError("the layer helper's answer came without its layer")
+            raise LayerLost("the layer helper's answer to its freeze came without its layer")
         took = answer.get("ms")
         if isinstance(took, float):
             self.freeze_ms = [*self.freeze_ms[-999:], took]
@@ -277,6 +291,7 @@ class LayerHelper:
     def _break(self, why: str, cause: BaseException) -> NoReturn:
         """With the lock held: no request is asked any more; end the helper."""
         self.broken = why
+        self.broke_on = self._unanswered[0] if self._unanswered else None
         self._unanswered.clear()
         self._end()
         raise RuntimeError(why) from cause
@@ -350,6 +365,7 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
     with contextlib.suppress(OSError):
         frozen_layers.make_spares(size_bytes)
     pending = _Pending()
+    sealed: dict[int, None] = {}  # the tokens sealed lately, oldest first
     tokens = iter(range(1, 1 << 62))
     while True:
         pending.wait_for(sock)  # a source gone meanwhile lets go of its layers
@@ -368,11 +384,15 @@ def serve(sock: socket.socket, size_bytes: int) -> None:
             elif request.get("op") == "seal":
                 token = int(request["token"])
                 layer = pending.layer(token)
-                answer = {"sealed": False, "why": "no such frozen layer"}
+                answer = {"sealed": token in sealed, "why": "no such frozen layer"}
                 if layer >= 0:  # kept where it fails: the source's next fork asks again
                     frozen_layers.seal(layer, patience_s=SEAL_PATIENCE_S)
                     pending.drop(token)
                     answer = {"sealed": True}
+                    # Asked again when an answer was lost (a Ctrl-C): sealed it stays.
+                    sealed[token] = None
+                    if len(sealed) > 4096:
+                        del sealed[next(iter(sealed))]
             else:
                 if len(fds) != 1:
                     raise frozen_layers.FreezeRefused("no pidfd came with the request")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -1307,10 +1308,13 @@ def test_a_source_whose_freeze_the_helper_did_not_answer_is_not_forked_again(mon
         send = LayerHelper._send
 
         def then_killed(self, request, fds):
+            if request.get("op") != "freeze":
+                return send(self, request, fds)
+            monkeypatch.setattr(LayerHelper, "_send", send)
+            pid = self.watch.pid if self.watch is not None else self.process.pid
+            os.kill(pid, signal.SIGSTOP)  # it takes the request, and does nothing more
             number = send(self, request, fds)
-            if request.get("op") == "freeze":
-                monkeypatch.setattr(LayerHelper, "_send", send)
-                self.watch.kill() if self.watch is not None else self.process.kill()
+            os.kill(pid, signal.SIGKILL)
             return number
 
         monkeypatch.setattr(LayerHelper, "_send", then_killed)
@@ -1325,5 +1329,60 @@ def test_a_source_whose_freeze_the_helper_did_not_answer_is_not_forked_again(mon
             assert other.call("layers")[0] == 0  # copied
         finally:
             other.close()
+    finally:
+        envs.close()
+
+
+def test_a_ctrl_c_as_the_seal_is_answered_leaves_the_source_forkable(monkeypatch):
+    """The helper sealed the layer, and the controller's wait for its answer was cut
+    short: asked again at the next fork, the helper answers that it is sealed (it keeps
+    the tokens it sealed lately), so the source is not refused for the rest of its life."""
+    from gym_fork.system.layer_helper import LayerHelper
+
+    envs = ForkVectorEnv([KeepsItsLayer], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/file.txt", "original\n")
+        envs.call("hold_log")  # a file open for writing: sealed after LayerAdopted
+        envs.call("stash_layer")
+        real = LayerHelper._read_oldest
+
+        def read_then_interrupt(self):
+            real(self)
+            if any(answer.get("sealed") for answer, _fds in self._answers.values()):
+                monkeypatch.setattr(LayerHelper, "_read_oldest", real)
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(LayerHelper, "_read_oldest", read_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("b0")
+        monkeypatch.undo()
+        assert envs.call("write_through_stash", "ws/file.txt", "later\n")[0] == "EROFS"
+        envs.fork("b1").close()
+    finally:
+        envs.close()
+
+
+def test_a_helper_that_died_between_forks_loses_no_source(monkeypatch):
+    """The helper ended while idle (killed, crashed): no freeze was under way, so no
+    source's layer is in doubt: frozen layers are off for the host, and its sources'
+    clones copy their writes from then on."""
+    envs = ForkVectorEnv([Workspace] * 2, envs_per_worker=1, lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.fork("first", indices=[0]).close()
+        layers = envs.sandboxes.host.tmp_layers
+        helper = layers.helper
+        helper.watch.kill() if helper.watch is not None else helper.process.kill()
+        assert wait_until(lambda: not helper.alive(), timeout=10)
+        envs.call("write", "/tmp/ws/g.txt", "y\n")
+        for name in ("after", "again"):
+            branch = envs.fork(name, indices=[0])
+            try:
+                assert branch.call("read", "/tmp/ws/g.txt")[0] == "y\n"
+            finally:
+                branch.close()
+        assert not layers.lost and layers.off
     finally:
         envs.close()

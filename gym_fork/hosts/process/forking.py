@@ -183,9 +183,12 @@ def _give_up(
         frozen = due[0]
         try:
             _send_layer(link, frozen, fork_id, cancelled=True)
-        except Exception:  # gone, or deaf: the helper lets go of its layers once it exits
+        except BaseException as exc:  # gone, deaf, or a second Ctrl-C
             if frozen is not None:
                 os.close(frozen[0])
+                host.tmp_layers.lose(source, "its new /tmp layer could not be sent to it")
+            if not isinstance(exc, Exception):
+                raise
         else:
             if frozen is not None and frozen[1] is not None:
                 with contextlib.suppress(Exception):

@@ -23,7 +23,7 @@ from gym_fork.hosts.process import zygote
 from gym_fork.system import frozen_layers
 from gym_fork.system.host_view import TREE_TMP_VIEW
 from gym_fork.system.isolation import IsolationConfig
-from gym_fork.system.layer_helper import FreezeInterrupted, LayerHelper
+from gym_fork.system.layer_helper import FreezeInterrupted, LayerHelper, LayerLost
 
 log = logging.getLogger("gym_fork")
 
@@ -114,9 +114,13 @@ class TmpLayers:
         them. Raises RuntimeError for a source whose frozen layer could not be sealed
         before (no clone may stand on a layer that can still be written), or whose
         layer was lost."""
-        for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
+        if self.helper is not None and self.helper.broken and not self.off:
+            self.off = self.helper.broken  # ended between forks: its sources copy
+        for pid, (_why, tokens, watch) in list(self.unsealed.items()):
             if not watch.alive():
                 self.unsealed.pop(pid, None)
+                for token in tokens:
+                    self.started.pop(token, None)
         for pid, (_why, watch) in list(self.lost.items()):
             if not watch.alive():
                 self.lost.pop(pid, None)
@@ -160,13 +164,14 @@ class TmpLayers:
                 fd, _depth, token = exc.result
                 exc.frozen = self._started(source, asked, fd, token)
             raise
+        except LayerLost as exc:  # its /tmp may stand on the new layer already
+            if self.helper is not None and self.helper.broken:
+                self.off = self.helper.broken
+            self._lose(source, str(exc))
+            raise RuntimeError(f"fork of {source.name}: {exc}") from exc
         except (OSError, RuntimeError) as exc:
             if self.helper is not None and self.helper.broken:
-                # It may have covered the source's /tmp with the new layer already.
-                self.off = str(exc)
-                why = f"the layer helper ended during its freeze ({exc})"
-                self._lose(source, why)
-                raise RuntimeError(f"fork of {source.name}: {why}") from exc
+                self.off = self.helper.broken  # it ended before this freeze began
             self._say(source, str(exc))
             return None
         return self._started(source, asked, fd, token)
@@ -187,6 +192,10 @@ class TmpLayers:
     def take_in_flight(self, source: WorkerHandle) -> tuple[int, int | None] | None:
         """The freeze of ``source`` not sent to it yet (its caller sends it now)."""
         return self.in_flight.pop(source.pid, None)
+
+    def lose(self, source: WorkerHandle, why: str) -> None:
+        """``source``'s /tmp may stand on a layer it never received: not forked again."""
+        self._lose(source, why)
 
     def _lose(self, source: WorkerHandle, why: str) -> None:
         if why:  # "": the helper surely froze nothing
@@ -257,9 +266,10 @@ class TmpLayers:
     def close(self) -> None:
         """End the helper, if one was started."""
         self.checks.clear()
-        for fd, _token in self.in_flight.values():
-            os.close(fd)
-        self.in_flight.clear()
+        for pid in list(self.in_flight):  # a fork in another thread may take one first
+            taken = self.in_flight.pop(pid, None)
+            if taken is not None:
+                os.close(taken[0])
         helper, self.helper = self.helper, None
         if helper is not None:
             helper.close()
