@@ -267,8 +267,10 @@ class LayerHelper:
     def _read_oldest(self) -> None:
         """With the lock held: read the next answer, the oldest unanswered request's."""
         got: list[int] = []
+        read = filed = False  # an answer was taken off the socket; it was filed
         try:
             data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+            read = True
             if not data:
                 raise EOFError("it ended")
             answer = json.loads(data)
@@ -276,17 +278,28 @@ class LayerHelper:
                 raise ValueError(f"an answer that is no object: {answer!r:.100}")
             if not self._unanswered:
                 raise ValueError("an answer nobody asked for")
+            oldest = self._unanswered.popleft()
+            if oldest in self._abandoned:
+                self._abandoned.discard(oldest)
+                for fd in got:
+                    os.close(fd)
+            else:
+                self._answers[oldest] = (answer, got)
+                filed = True
+            read = False
         except (OSError, EOFError, ValueError) as exc:  # timeout included
             for fd in got:
                 os.close(fd)
             self._break(f"the layer helper did not answer ({exc})", exc)
-        oldest = self._unanswered.popleft()
-        if oldest in self._abandoned:
-            self._abandoned.discard(oldest)
-            for fd in got:
-                os.close(fd)
-        else:
-            self._answers[oldest] = (answer, got)
+        except BaseException as exc:
+            if read:  # a Ctrl-C between the read and its filing: whose it was is unknown
+                if not filed:
+                    for fd in got:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                with contextlib.suppress(RuntimeError):
+                    self._break("the layer helper's answers were interrupted", exc)
+            raise
 
     def _break(self, why: str, cause: BaseException) -> NoReturn:
         """With the lock held: no request is asked any more; end the helper."""

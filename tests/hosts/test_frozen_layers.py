@@ -1386,3 +1386,32 @@ def test_a_helper_that_died_between_forks_loses_no_source(monkeypatch):
         assert not layers.lost and layers.off
     finally:
         envs.close()
+
+
+def test_a_ctrl_c_between_reading_an_answer_and_filing_it_ends_the_helper(monkeypatch):
+    """The helper's answers are matched to requests by their order: a Ctrl-C after an
+    answer was read and before it was filed would credit the next one to the wrong
+    request (a new layer's fd to a check). The helper is ended instead (frozen layers
+    off), and no answer goes to a request it was not for."""
+    from gym_fork.system import layer_helper
+
+    helper = layer_helper.LayerHelper(1 << 20)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        first = helper.ask_wrote_since(pidfd, 0)
+        second = helper.ask_wrote_since(pidfd, 0)
+        loads = layer_helper.json.loads
+
+        def interrupted(data):
+            monkeypatch.setattr(layer_helper.json, "loads", loads)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(layer_helper.json, "loads", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            helper.wrote_since(first)
+        assert helper.broken and not helper._answers and not helper._unanswered
+        assert helper.wrote_since(second) is True  # "cannot tell": the freeze decides
+        assert wait_until(lambda: not helper.alive(), timeout=5)
+    finally:
+        os.close(pidfd)
+        helper.close()
