@@ -8,7 +8,11 @@ where one is ready (gym_fork/hosts/process/zygote.py: a millisecond or two), els
 SOCK_SEQPACKET pair: a request is a JSON object and the
 source's pidfd; the answer a JSON object and, once frozen, the fd of the source's new
 upper layer. It ends when the controller's end closes (the host's close, or the
-controller's death: EOF), and is killed past a deadline.
+controller's death: EOF), and is killed past a deadline. The controller's end files the
+answers from a thread of its own (:meth:`LayerHelper._read_answers`).
+
+(Over ~450 lines as one job: the controller's end and the helper's loop speak one
+protocol, numbered answers in the order asked, and are read side by side.)
 """
 
 from __future__ import annotations
@@ -31,11 +35,6 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 # How long a seal after the source reopened its files waits for a writer to go (a thread
 # of its closing a file it opened before the freeze); the source's FORK waits as long.
 SEAL_PATIENCE_S = 0.05
-# Requests sent and not yet read back at most: past it a send first reads the oldest
-# answers (kept for their askers). The helper blocks sending answers once the socket's
-# buffers are full (~350 small ones) and then takes no request: a fork of hundreds of
-# sources, each checked ahead, would stall until the helper was killed.
-MAX_UNREAD = 32
 
 
 class FreezeInterrupted(KeyboardInterrupt):
@@ -93,10 +92,15 @@ class LayerHelper:
             self.sock = ours
         self.sock.settimeout(ANSWER_TIMEOUT_S)
         # The helper answers in the order it was asked: each request gets a number, each
-        # answer read goes to the oldest number unanswered, and is kept until its asker
-        # takes it (two threads forking two sources of one host never take each other's
-        # answer, nor new layer fd). The lock covers one send or one read.
+        # answer goes to the oldest number unanswered, and is kept until its asker takes
+        # it (two threads forking two sources of one host never take each other's
+        # answer, nor new layer fd). A thread of its own takes the answers off the
+        # socket as they come and files them (:meth:`_read_answers`): the helper never
+        # waits on a full socket, and a Ctrl-C (handled in the main thread only) never
+        # comes between an answer's read and its filing, so none is lost or misfiled.
         self._asking = threading.Lock()
+        self._filed = threading.Condition(self._asking)
+        self._stop = False
         self._numbers = itertools.count()
         self._unanswered: collections.deque[int] = collections.deque()
         self._answers: dict[int, tuple[dict[str, Any], list[int]]] = {}
@@ -106,6 +110,10 @@ class LayerHelper:
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
         self.asked: dict[str, int] = {}  # requests sent, by op
         self.found_ahead = 0  # freezes that took what their check found (mount table, ...)
+        self._reader = threading.Thread(
+            target=self._read_answers, name="gym_fork layer helper answers", daemon=True
+        )
+        self._reader.start()
 
     def alive(self) -> bool:
         """Whether the helper process still runs."""
@@ -220,8 +228,6 @@ class LayerHelper:
         with self._asking:
             if self.broken:
                 raise RuntimeError(self.broken)
-            while len(self._unanswered) >= MAX_UNREAD:
-                self._read_oldest()
             number = next(self._numbers)
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
@@ -252,54 +258,68 @@ class LayerHelper:
                             "the layer helper did not answer in time",
                             TimeoutError(f"{2 * ANSWER_TIMEOUT_S} s"),
                         )
-                    self.sock.settimeout(min(ANSWER_TIMEOUT_S, left))
-                    try:
-                        self._read_oldest()
-                    finally:
-                        with contextlib.suppress(OSError):  # ended meanwhile: closed
-                            self.sock.settimeout(ANSWER_TIMEOUT_S)
+                    self._wait_for_answers(left)
                 return self._answers.pop(number)
         except BaseException as exc:
             if not (keep and isinstance(exc, KeyboardInterrupt)):
                 self.forget(number)
             raise
 
-    def _read_oldest(self) -> None:
-        """With the lock held: read the next answer, the oldest unanswered request's."""
-        got: list[int] = []
-        read = filed = False  # an answer was taken off the socket; it was filed
+    def _wait_for_answers(self, timeout: float) -> None:
+        """With the lock held: until an answer is filed (or the helper ends), at most
+        ``timeout`` seconds."""
+        self._filed.wait(timeout)
+
+    def _read_answers(self) -> None:
+        """Thread: take each answer off the socket as it comes and file it under the
+        oldest unanswered request's number, until the helper ends."""
+        while True:
+            got: list[int] = []
+            try:
+                data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
+            except TimeoutError:
+                if self._stop:
+                    return
+                continue  # nothing asked, or a freeze still at work: its asker's deadline
+            except OSError as exc:
+                data, why = b"", f"the layer helper did not answer ({exc})"
+            else:
+                why = "the layer helper ended"
+            with self._asking:
+                if self._stop:
+                    for fd in got:
+                        os.close(fd)
+                    return
+                why = self._file(data, got) if data else why
+                if why:
+                    self.broken = why
+                    self.broke_on = self._unanswered[0] if self._unanswered else None
+                    self._unanswered.clear()
+                    self._end()
+                self._filed.notify_all()
+                if why:
+                    return
+
+    def _file(self, data: bytes, got: list[int]) -> str:
+        """With the lock held: file one answer; why it cannot be ("" once filed)."""
         try:
-            data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
-            read = True
-            if not data:
-                raise EOFError("it ended")
             answer = json.loads(data)
             if not isinstance(answer, dict):
                 raise ValueError(f"an answer that is no object: {answer!r:.100}")
             if not self._unanswered:
                 raise ValueError("an answer nobody asked for")
-            oldest = self._unanswered.popleft()
-            if oldest in self._abandoned:
-                self._abandoned.discard(oldest)
-                for fd in got:
-                    os.close(fd)
-            else:
-                self._answers[oldest] = (answer, got)
-                filed = True
-            read = False
-        except (OSError, EOFError, ValueError) as exc:  # timeout included
+        except ValueError as exc:
             for fd in got:
                 os.close(fd)
-            self._break(f"the layer helper did not answer ({exc})", exc)
-        except BaseException as exc:
-            if read:  # a Ctrl-C between the read and its filing: whose it was is unknown
-                if not filed:
-                    for fd in got:
-                        with contextlib.suppress(OSError):
-                            os.close(fd)
-                with contextlib.suppress(RuntimeError):
-                    self._break("the layer helper's answers were interrupted", exc)
-            raise
+            return f"the layer helper did not answer ({exc})"
+        oldest = self._unanswered.popleft()
+        if oldest in self._abandoned:
+            self._abandoned.discard(oldest)
+            for fd in got:
+                os.close(fd)
+        else:
+            self._answers[oldest] = (answer, got)
+        return ""
 
     def _break(self, why: str, cause: BaseException) -> NoReturn:
         """With the lock held: no request is asked any more; end the helper."""
@@ -307,16 +327,24 @@ class LayerHelper:
         self.broke_on = self._unanswered[0] if self._unanswered else None
         self._unanswered.clear()
         self._end()
+        self._filed.notify_all()
         raise RuntimeError(why) from cause
 
     def close(self) -> None:
         """End the helper (EOF on its socket), killed if it takes more than a second."""
         with self._asking:  # not beside a request in flight
             self._end()
+            self._filed.notify_all()
+        self._reader.join(ANSWER_TIMEOUT_S)
 
     def _end(self) -> None:
+        """With the lock held: end the helper and its answers' thread (which, where it
+        is the caller, returns next)."""
         import subprocess
 
+        self._stop = True
+        with contextlib.suppress(OSError):  # wakes the answers' thread: EOF
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         if self.process is not None:
             try:

@@ -884,7 +884,6 @@ def test_a_fork_of_many_sources_checked_ahead_does_not_stall_the_helper(monkeypa
     pidfd = os.pidfd_open(os.getpid())
     try:
         numbers = [helper.ask_wrote_since(pidfd, 0) for _ in range(1000)]
-        assert len(helper._unanswered) <= layer_helper.MAX_UNREAD
         helper.forget(numbers[500])
         answers = [helper.wrote_since(n) for n in numbers if n != numbers[500]]
         assert len(answers) == 999 and not helper.broken
@@ -925,25 +924,25 @@ def test_the_check_of_a_fork_that_failed_is_forgotten_once_its_source_is_gone(mo
 
 
 def test_an_answer_whose_wait_was_interrupted_is_dropped_when_read(monkeypatch):
-    """A Ctrl-C while the controller waits for an answer: the answer, read later for
-    another request, is dropped (its fds closed), never kept for no one."""
+    """A Ctrl-C while the controller waits for an answer: the answer, filed when it
+    comes, is dropped (its fds closed), never kept for no one."""
     from gym_fork.system import layer_helper
 
     helper = layer_helper.LayerHelper(1 << 20)
     pidfd = os.pidfd_open(os.getpid())
     try:
         interrupted = helper.ask_wrote_since(pidfd, 0)
-        real = helper._read_oldest
+        real = layer_helper.LayerHelper._wait_for_answers
 
-        def interrupt():
-            monkeypatch.setattr(helper, "_read_oldest", real)
+        def interrupt(self, timeout):
+            monkeypatch.setattr(layer_helper.LayerHelper, "_wait_for_answers", real)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(helper, "_read_oldest", interrupt)
+        monkeypatch.setattr(layer_helper.LayerHelper, "_wait_for_answers", interrupt)
         with pytest.raises(KeyboardInterrupt):
             helper.wrote_since(interrupted)
         later = helper.ask_wrote_since(pidfd, 0)
-        helper.wrote_since(later)  # reads the interrupted answer first
+        helper.wrote_since(later)  # answered after the interrupted one
         assert not helper._answers and not helper._unanswered and not helper._abandoned
     finally:
         os.close(pidfd)
@@ -1081,15 +1080,15 @@ def _interrupt_the_freeze_wait(monkeypatch):
     """A Ctrl-C once the helper's freeze answer is read, before it is taken."""
     from gym_fork.system.layer_helper import LayerHelper
 
-    real = LayerHelper._read_oldest
+    real = LayerHelper._wait_for_answers
 
-    def read_then_interrupt(self):
-        real(self)
+    def wait_then_interrupt(self, timeout):
+        real(self, timeout)
         if any(answer.get("frozen") for answer, _fds in self._answers.values()):
-            monkeypatch.setattr(LayerHelper, "_read_oldest", real)
+            monkeypatch.setattr(LayerHelper, "_wait_for_answers", real)
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(LayerHelper, "_read_oldest", read_then_interrupt)
+    monkeypatch.setattr(LayerHelper, "_wait_for_answers", wait_then_interrupt)
 
 
 @pytest.mark.parametrize(("sealed_at_once", "twice"), [(True, False), (False, False), (True, True)])
@@ -1345,15 +1344,15 @@ def test_a_ctrl_c_as_the_seal_is_answered_leaves_the_source_forkable(monkeypatch
         envs.call("write", "/tmp/ws/file.txt", "original\n")
         envs.call("hold_log")  # a file open for writing: sealed after LayerAdopted
         envs.call("stash_layer")
-        real = LayerHelper._read_oldest
+        real = LayerHelper._wait_for_answers
 
-        def read_then_interrupt(self):
-            real(self)
+        def wait_then_interrupt(self, timeout):
+            real(self, timeout)
             if any(answer.get("sealed") for answer, _fds in self._answers.values()):
-                monkeypatch.setattr(LayerHelper, "_read_oldest", real)
+                monkeypatch.setattr(LayerHelper, "_wait_for_answers", real)
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(LayerHelper, "_read_oldest", read_then_interrupt)
+        monkeypatch.setattr(LayerHelper, "_wait_for_answers", wait_then_interrupt)
         with pytest.raises(KeyboardInterrupt):
             envs.fork("b0")
         monkeypatch.undo()
@@ -1386,32 +1385,3 @@ def test_a_helper_that_died_between_forks_loses_no_source(monkeypatch):
         assert not layers.lost and layers.off
     finally:
         envs.close()
-
-
-def test_a_ctrl_c_between_reading_an_answer_and_filing_it_ends_the_helper(monkeypatch):
-    """The helper's answers are matched to requests by their order: a Ctrl-C after an
-    answer was read and before it was filed would credit the next one to the wrong
-    request (a new layer's fd to a check). The helper is ended instead (frozen layers
-    off), and no answer goes to a request it was not for."""
-    from gym_fork.system import layer_helper
-
-    helper = layer_helper.LayerHelper(1 << 20)
-    pidfd = os.pidfd_open(os.getpid())
-    try:
-        first = helper.ask_wrote_since(pidfd, 0)
-        second = helper.ask_wrote_since(pidfd, 0)
-        loads = layer_helper.json.loads
-
-        def interrupted(data):
-            monkeypatch.setattr(layer_helper.json, "loads", loads)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(layer_helper.json, "loads", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            helper.wrote_since(first)
-        assert helper.broken and not helper._answers and not helper._unanswered
-        assert helper.wrote_since(second) is True  # "cannot tell": the freeze decides
-        assert wait_until(lambda: not helper.alive(), timeout=5)
-    finally:
-        os.close(pidfd)
-        helper.close()
