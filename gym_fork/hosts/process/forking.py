@@ -107,6 +107,8 @@ def _start_fork(
                 frozen = layers.take_in_flight(source)
             _send_layer(link, frozen, fork_id)
             layer_said = True
+            if frozen is not None:
+                os.close(frozen[0])  # the source's now
             if frozen is not None and frozen[1] is not None:
                 _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     except BaseException:
@@ -159,9 +161,8 @@ def _send_layer(
     A freeze the helper made always reaches its source: its /tmp is the new layer now."""
     token = None if frozen is None else frozen[1]
     layer = M.FrozenLayer(frozen is not None, token is None, cancelled, fork_id)
-    M.send(link.sock, layer, [] if frozen is None else [frozen[0]])  # raises: fd kept
-    if frozen is not None:
-        os.close(frozen[0])
+    # The caller closes the layer's fd, once (after the send, or after giving up on it).
+    M.send(link.sock, layer, [] if frozen is None else [frozen[0]])
 
 
 def _give_up(
@@ -190,6 +191,8 @@ def _give_up(
             if not isinstance(exc, Exception):
                 raise
         else:
+            if frozen is not None:
+                os.close(frozen[0])
             if frozen is not None and frozen[1] is not None:
                 with contextlib.suppress(Exception):
                     _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
