@@ -241,10 +241,10 @@ class LayerHelper:
     def _answer(
         self, number: int, keep: bool = False, deadline: float | None = None
     ) -> tuple[dict[str, Any], list[int]]:
-        """Answer ``number``, reading (in order) the answers asked before it first, by
-        ``deadline`` (``time.monotonic()``; default 2 * ANSWER_TIMEOUT_S from now; past
-        it the helper is ended). Where this is interrupted (a Ctrl-C too) the answer is
-        dropped when read (its fds closed), unless ``keep``: the caller takes it still."""
+        """Answer ``number``, once the answers' thread has filed it, by ``deadline``
+        (``time.monotonic()``; default 2 * ANSWER_TIMEOUT_S from now; past it the helper
+        is ended). Where this is interrupted (a Ctrl-C too) the answer is dropped when
+        filed (its fds closed), unless ``keep``: the caller takes it still."""
         if deadline is None:
             deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
         try:
