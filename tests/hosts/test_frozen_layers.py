@@ -930,7 +930,9 @@ def test_an_answer_whose_wait_was_interrupted_is_dropped_when_read(monkeypatch):
 
     helper = layer_helper.LayerHelper(1 << 20)
     pidfd = os.pidfd_open(os.getpid())
+    stopped = helper.process.pid
     try:
+        os.kill(stopped, signal.SIGSTOP)  # it answers only once the wait was cut short
         interrupted = helper.ask_wrote_since(pidfd, 0)
         real = layer_helper.LayerHelper._wait_for_answers
 
@@ -941,10 +943,12 @@ def test_an_answer_whose_wait_was_interrupted_is_dropped_when_read(monkeypatch):
         monkeypatch.setattr(layer_helper.LayerHelper, "_wait_for_answers", interrupt)
         with pytest.raises(KeyboardInterrupt):
             helper.wrote_since(interrupted)
+        os.kill(stopped, signal.SIGCONT)
         later = helper.ask_wrote_since(pidfd, 0)
         helper.wrote_since(later)  # answered after the interrupted one
         assert not helper._answers and not helper._unanswered and not helper._abandoned
     finally:
+        os.kill(stopped, signal.SIGCONT)
         os.close(pidfd)
         helper.close()
 
@@ -1080,15 +1084,16 @@ def _interrupt_the_freeze_wait(monkeypatch):
     """A Ctrl-C once the helper's freeze answer is read, before it is taken."""
     from gym_fork.system.layer_helper import LayerHelper
 
-    real = LayerHelper._wait_for_answers
+    answer = LayerHelper._answer
 
-    def wait_then_interrupt(self, timeout):
-        real(self, timeout)
-        if any(answer.get("frozen") for answer, _fds in self._answers.values()):
-            monkeypatch.setattr(LayerHelper, "_wait_for_answers", real)
+    def interrupted(self, number, keep=False, deadline=None):
+        if keep and deadline is None:  # a freeze's wait: its answer filed, not taken
+            monkeypatch.setattr(LayerHelper, "_answer", answer)
+            assert wait_until(lambda: number in self._answers, timeout=10)
             raise KeyboardInterrupt
+        return answer(self, number, keep, deadline)
 
-    monkeypatch.setattr(LayerHelper, "_wait_for_answers", wait_then_interrupt)
+    monkeypatch.setattr(LayerHelper, "_answer", interrupted)
 
 
 @pytest.mark.parametrize(("sealed_at_once", "twice"), [(True, False), (False, False), (True, True)])
@@ -1344,15 +1349,17 @@ def test_a_ctrl_c_as_the_seal_is_answered_leaves_the_source_forkable(monkeypatch
         envs.call("write", "/tmp/ws/file.txt", "original\n")
         envs.call("hold_log")  # a file open for writing: sealed after LayerAdopted
         envs.call("stash_layer")
-        real = LayerHelper._wait_for_answers
+        answer = LayerHelper._answer
 
-        def wait_then_interrupt(self, timeout):
-            real(self, timeout)
-            if any(answer.get("sealed") for answer, _fds in self._answers.values()):
-                monkeypatch.setattr(LayerHelper, "_wait_for_answers", real)
+        def interrupted(self, number, keep=False, deadline=None):
+            assert wait_until(lambda: number in self._answers or self.broken, timeout=10)
+            if "sealed" in self._answers.get(number, ({}, []))[0]:  # the seal's: not taken
+                monkeypatch.setattr(LayerHelper, "_answer", answer)
+                self.forget(number)  # what an interrupted wait does
                 raise KeyboardInterrupt
+            return answer(self, number, keep, deadline)
 
-        monkeypatch.setattr(LayerHelper, "_wait_for_answers", wait_then_interrupt)
+        monkeypatch.setattr(LayerHelper, "_answer", interrupted)
         with pytest.raises(KeyboardInterrupt):
             envs.fork("b0")
         monkeypatch.undo()
