@@ -41,14 +41,12 @@ class FreezeInterrupted(KeyboardInterrupt):
     """A Ctrl-C while a freeze's answer was awaited: the answer was taken all the same
     (the source's /tmp is the new layer by then, which must reach it): ``result`` is
     what :meth:`LayerHelper.freeze` would have returned, or None where there is none:
-    ``why`` then says why the source's layer is unknown ("": the helper froze nothing).
-    ``frozen`` is (layer fd, token) for the caller to hand over, or None."""
+    ``why`` then says why the source's layer is unknown ("": the helper froze nothing)."""
 
     def __init__(self, result: tuple[int, int, int | None] | None, why: str = "") -> None:
         super().__init__()
         self.result = result
         self.why = why
-        self.frozen: tuple[int, int | None] | None = None
 
 
 class LayerLost(RuntimeError):

@@ -157,17 +157,17 @@ class TmpLayers:
             fd, _depth, token = self._helper().freeze(
                 *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
             )
-        except FreezeInterrupted as exc:  # a Ctrl-C: what was frozen goes to the caller
+        except FreezeInterrupted as exc:  # a Ctrl-C: what was frozen is kept in flight
             if exc.result is None:
-                self._lose(source, exc.why)
+                self.lose(source, exc.why)
             else:
                 fd, _depth, token = exc.result
-                exc.frozen = self._started(source, asked, fd, token)
+                self._started(source, asked, fd, token)
             raise
         except LayerLost as exc:  # its /tmp may stand on the new layer already
             if self.helper is not None and self.helper.broken:
                 self.off = self.helper.broken
-            self._lose(source, str(exc))
+            self.lose(source, str(exc))
             raise RuntimeError(f"fork of {source.name}: {exc}") from exc
         except (OSError, RuntimeError) as exc:
             if self.helper is not None and self.helper.broken:
@@ -194,11 +194,9 @@ class TmpLayers:
         return self.in_flight.pop(source.pid, None)
 
     def lose(self, source: WorkerHandle, why: str) -> None:
-        """``source``'s /tmp may stand on a layer it never received: not forked again."""
-        self._lose(source, why)
-
-    def _lose(self, source: WorkerHandle, why: str) -> None:
-        if why:  # "": the helper surely froze nothing
+        """``source``'s /tmp may stand on a layer it never received (``why``; "": the
+        helper surely froze nothing): not forked again."""
+        if why:
             self.lost[source.pid] = (why, source.watch)
 
     def _unsealed(self, source: WorkerHandle, token: int, why: str) -> None:
