@@ -35,6 +35,7 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 # How long a seal after the source reopened its files waits for a writer to go (a thread
 # of its closing a file it opened before the freeze); the source's FORK waits as long.
 SEAL_PATIENCE_S = 0.05
+MAX_QUEUED = 32  # requests sent and not answered yet, at most
 
 
 class FreezeInterrupted(KeyboardInterrupt):
@@ -226,6 +227,16 @@ class LayerHelper:
         with self._asking:
             if self.broken:
                 raise RuntimeError(self.broken)
+            # A short queue: the helper takes requests one at a time, and a send into a
+            # full socket would wait on it (a fork of hundreds of sources, checked ahead).
+            deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
+            while len(self._unanswered) >= MAX_QUEUED:
+                left = deadline - time.monotonic()
+                if self.broken:
+                    raise RuntimeError(self.broken)
+                if left <= 0:
+                    self._break("the layer helper did not answer in time", TimeoutError())
+                self._wait_for_answers(left)
             number = next(self._numbers)
             try:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)

@@ -884,6 +884,7 @@ def test_a_fork_of_many_sources_checked_ahead_does_not_stall_the_helper(monkeypa
     pidfd = os.pidfd_open(os.getpid())
     try:
         numbers = [helper.ask_wrote_since(pidfd, 0) for _ in range(1000)]
+        assert len(helper._unanswered) <= layer_helper.MAX_QUEUED
         helper.forget(numbers[500])
         answers = [helper.wrote_since(n) for n in numbers if n != numbers[500]]
         assert len(answers) == 999 and not helper.broken
