@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -33,6 +34,17 @@ def pytest_collection_modifyitems(config, items):
         for marker, reason in reasons.items():
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=f"host='microvm': {reason}"))
+
+
+@pytest.fixture
+def ctrl_c():
+    """Send this process a real Ctrl-C (SIGINT), handled as Python does by default (a
+    test runner may start with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield lambda: os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True, scope="session")

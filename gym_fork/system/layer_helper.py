@@ -36,18 +36,8 @@ ANSWER_TIMEOUT_S = 5.0  # a freeze moves a directory's entries: milliseconds
 # of its closing a file it opened before the freeze); the source's FORK waits as long.
 SEAL_PATIENCE_S = 0.05
 MAX_QUEUED = 32  # requests sent and not answered yet, at most
-
-
-class FreezeInterrupted(KeyboardInterrupt):
-    """A Ctrl-C while a freeze's answer was awaited: the answer was taken all the same
-    (the source's /tmp is the new layer by then, which must reach it): ``result`` is
-    what :meth:`LayerHelper.freeze` would have returned, or None where there is none:
-    ``why`` then says why the source's layer is unknown ("": the helper froze nothing)."""
-
-    def __init__(self, result: tuple[int, int, int | None] | None, why: str = "") -> None:
-        super().__init__()
-        self.result = result
-        self.why = why
+ANSWER_WAIT_S = 2 * ANSWER_TIMEOUT_S  # the request the helper is on, at most
+LONGEST_WAIT_S = 6 * ANSWER_TIMEOUT_S  # one caller's wait, behind others' requests too
 
 
 class LayerLost(RuntimeError):
@@ -70,6 +60,9 @@ class LayerHelper:
         import subprocess
         import threading
 
+        from gym_fork.system.held_signals import held
+
+        self._held = held
         self.process: subprocess.Popen | None = None  # ours to reap, where we started it
         self.watch: ProcessWatch | None = None  # a zygote's child: known by its pidfd
         if forked is not None:
@@ -97,11 +90,15 @@ class LayerHelper:
         # socket as they come and files them (:meth:`_read_answers`): the helper never
         # waits on a full socket, and a Ctrl-C (handled in the main thread only) never
         # comes between an answer's read and its filing, so none is lost or misfiled.
-        self._asking = threading.Lock()
+        # An RLock: a Condition's wait takes it back uninterruptibly (a plain Lock's
+        # re-take can be cut by a Ctrl-C, and the ``with`` then releases another
+        # thread's hold of it).
+        self._asking = threading.RLock()
         self._filed = threading.Condition(self._asking)
         self._stop = False
         self._numbers = itertools.count()
         self._unanswered: collections.deque[int] = collections.deque()
+        self._head_since = time.monotonic()  # when the oldest unanswered became so
         self._answers: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self._abandoned: set[int] = set()  # their answers are dropped when read
         self.broken = ""  # why no freeze is asked any more
@@ -109,6 +106,7 @@ class LayerHelper:
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
         self.asked: dict[str, int] = {}  # requests sent, by op
         self.found_ahead = 0  # freezes that took what their check found (mount table, ...)
+        _inherited_by_forks(self)
         self._reader = threading.Thread(
             target=self._read_answers, name="gym_fork layer helper answers", daemon=True
         )
@@ -153,14 +151,16 @@ class LayerHelper:
         hand to it; its depth now; the token to :meth:`seal` the frozen layer with once
         it has reopened its files, or None where the helper sealed it already). Raises
         RuntimeError with the helper's reason when it did not (the source is then as it
-        was); a helper that does not answer in time is killed, and every later call
-        raises."""
+        was), LayerLost where the helper ended on this freeze; a helper that does not
+        answer in time is killed, and every later call raises.
+
+        The caller holds signals (``held_signals.held``) from here until the layer has
+        its next holder: a KeyboardInterrupt in the wait drops the answer, layer and all.
+        """
         request = {"op": "freeze", "layer_fd": layer_fd, "size": size_bytes, "base": base}
         number = self._send(request, [pidfd])  # RuntimeError: ended before: nothing asked
         try:
-            answer, fds = self._answer(number, keep=True)
-        except KeyboardInterrupt:
-            raise self._interrupted(number) from None
+            answer, fds = self._answer(number)
         except RuntimeError as exc:
             if self.broke_on == number:  # it ended on this very freeze
                 raise LayerLost(f"the layer helper ended during its freeze ({exc})") from exc
@@ -170,30 +170,6 @@ class LayerHelper:
                 os.close(fd)
             raise RuntimeError(str(answer.get("why")))
         return self._frozen(answer, fds)
-
-    def _interrupted(self, number: int) -> FreezeInterrupted:
-        """A Ctrl-C during freeze ``number``'s wait: its answer is taken first (within the
-        answer's deadline, through further Ctrl-Cs), for the caller to hand over."""
-        deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
-        while True:
-            try:
-                answer, fds = self._answer(number, keep=True, deadline=deadline)
-                break
-            except KeyboardInterrupt:
-                continue
-            except RuntimeError as exc:  # the helper broke (and is ended) meanwhile
-                lost = self.broke_on == number
-                return FreezeInterrupted(
-                    None, f"the layer helper ended during its freeze ({exc})" if lost else ""
-                )
-        if not answer.get("frozen"):
-            for fd in fds:
-                os.close(fd)
-            return FreezeInterrupted(None)
-        try:
-            return FreezeInterrupted(self._frozen(answer, fds))
-        except LayerLost as exc:
-            return FreezeInterrupted(None, str(exc))
 
     def _frozen(self, answer: dict[str, Any], fds: list[int]) -> tuple[int, int, int | None]:
         """A freeze's answer: (the new layer's fd, the depth, the token or None)."""
@@ -229,50 +205,57 @@ class LayerHelper:
                 raise RuntimeError(self.broken)
             # A short queue: the helper takes requests one at a time, and a send into a
             # full socket would wait on it (a fork of hundreds of sources, checked ahead).
-            deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
+            started = time.monotonic()
             while len(self._unanswered) >= MAX_QUEUED:
-                left = deadline - time.monotonic()
+                self._wait_for_answers(self._left(started))
                 if self.broken:
                     raise RuntimeError(self.broken)
-                if left <= 0:
-                    self._break("the layer helper did not answer in time", TimeoutError())
-                self._wait_for_answers(left)
             number = next(self._numbers)
             try:
-                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            except OSError as exc:  # timeout included
-                self._break(f"the layer helper did not take a request ({exc})", exc)
-            self._unanswered.append(number)
+                with self._held():  # sent is recorded as sent: else answers are misfiled
+                    try:
+                        socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                    except OSError as exc:  # timeout included
+                        self._break(f"the layer helper did not take a request ({exc})", exc)
+                    if not self._unanswered:
+                        self._head_since = time.monotonic()
+                    self._unanswered.append(number)
+            except BaseException:  # a Ctrl-C held until now included: no one will ask
+                self.forget(number)
+                raise
             op = str(request.get("op", "freeze"))
             self.asked[op] = self.asked.get(op, 0) + 1
             return number
 
-    def _answer(
-        self, number: int, keep: bool = False, deadline: float | None = None
-    ) -> tuple[dict[str, Any], list[int]]:
-        """Answer ``number``, once the answers' thread has filed it, by ``deadline``
-        (``time.monotonic()``; default 2 * ANSWER_TIMEOUT_S from now; past it the helper
-        is ended). Where this is interrupted (a Ctrl-C too) the answer is dropped when
-        filed (its fds closed), unless ``keep``: the caller takes it still."""
-        if deadline is None:
-            deadline = time.monotonic() + 2 * ANSWER_TIMEOUT_S
+    def _answer(self, number: int) -> tuple[dict[str, Any], list[int]]:
+        """Answer ``number``, once the answers' thread has filed it: the helper is ended
+        where the request it is on (the oldest unanswered) waits past ANSWER_WAIT_S, or
+        this one past LONGEST_WAIT_S. Where this is interrupted (a Ctrl-C too) the answer
+        is dropped when filed (its fds closed)."""
+        started = time.monotonic()
         try:
             with self._asking:
                 while number not in self._answers:
                     if self.broken:
                         raise RuntimeError(self.broken)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._break(
-                            "the layer helper did not answer in time",
-                            TimeoutError(f"{2 * ANSWER_TIMEOUT_S} s"),
-                        )
-                    self._wait_for_answers(left)
+                    if number not in self._unanswered:
+                        raise RuntimeError(f"no request {number} waits for its answer")
+                    self._wait_for_answers(self._left(started))
                 return self._answers.pop(number)
-        except BaseException as exc:
-            if not (keep and isinstance(exc, KeyboardInterrupt)):
-                self.forget(number)
+        except BaseException:
+            self.forget(number)
             raise
+
+    def _left(self, started: float) -> float:
+        """With the lock held: how long a wait begun at ``started`` may go on, judged by
+        the helper's progress (the request it is on, asked or answered last, waits at
+        most ANSWER_WAIT_S: a deadline of each, not of the queue before it) and bounded
+        by LONGEST_WAIT_S; past either, the helper is ended (RuntimeError)."""
+        now = time.monotonic()
+        left = min(self._head_since + ANSWER_WAIT_S, started + LONGEST_WAIT_S) - now
+        if left <= 0:
+            self._break("the layer helper did not answer in time", TimeoutError(f"{left:.1f}"))
+        return left
 
     def _wait_for_answers(self, timeout: float) -> None:
         """With the lock held: until an answer is filed (or the helper ends), at most
@@ -281,14 +264,28 @@ class LayerHelper:
 
     def _read_answers(self) -> None:
         """Thread: take each answer off the socket as it comes and file it under the
-        oldest unanswered request's number, until the helper ends."""
+        oldest unanswered request's number, until the helper ends; then no request is
+        asked any more (whatever ended it), and the socket is closed here, by its one
+        reader (a close elsewhere could hand its number to a new file midway)."""
+        why = "the layer helper's answers are no longer read"
+        try:
+            why = self._file_answers()
+        finally:
+            with self._asking:
+                if not self.broken:
+                    self._stop_asking(why)
+                self._filed.notify_all()
+            self.sock.close()
+
+    def _file_answers(self) -> str:
+        """Why the answers end: "" once closed, else what the helper did."""
         while True:
             got: list[int] = []
             try:
                 data, got, _flags, _addr = socket.recv_fds(self.sock, _MAX_REQUEST, 1)
             except TimeoutError:
                 if self._stop:
-                    return
+                    return ""
                 continue  # nothing asked, or a freeze still at work: its asker's deadline
             except OSError as exc:
                 data, why = b"", f"the layer helper did not answer ({exc})"
@@ -298,16 +295,11 @@ class LayerHelper:
                 if self._stop:
                     for fd in got:
                         os.close(fd)
-                    return
+                    return ""
                 why = self._file(data, got) if data else why
                 if why:
-                    self.broken = why
-                    self.broke_on = self._unanswered[0] if self._unanswered else None
-                    self._unanswered.clear()
-                    self._end()
+                    return why
                 self._filed.notify_all()
-                if why:
-                    return
 
     def _file(self, data: bytes, got: list[int]) -> str:
         """With the lock held: file one answer; why it cannot be ("" once filed)."""
@@ -322,6 +314,7 @@ class LayerHelper:
                 os.close(fd)
             return f"the layer helper did not answer ({exc})"
         oldest = self._unanswered.popleft()
+        self._head_since = time.monotonic()  # the next request's turn begins
         if oldest in self._abandoned:
             self._abandoned.discard(oldest)
             for fd in got:
@@ -332,40 +325,90 @@ class LayerHelper:
 
     def _break(self, why: str, cause: BaseException) -> NoReturn:
         """With the lock held: no request is asked any more; end the helper."""
+        self._stop_asking(why)
+        raise RuntimeError(why) from cause
+
+    def _stop_asking(self, why: str) -> None:
+        """With the lock held: no request is asked any more (``why``), the one it was
+        on remembered; the helper is ended and every waiter woken."""
         self.broken = why
         self.broke_on = self._unanswered[0] if self._unanswered else None
         self._unanswered.clear()
         self._end()
         self._filed.notify_all()
-        raise RuntimeError(why) from cause
 
     def close(self) -> None:
-        """End the helper (EOF on its socket), killed if it takes more than a second."""
-        with self._asking:  # not beside a request in flight
-            self._end()
-            self._filed.notify_all()
+        """End the helper (EOF on its socket), killed if it takes more than a second. A
+        freeze under way in another thread fails (LayerLost where it was the request
+        the helper was on)."""
+        with self._asking:
+            if not self.broken:
+                self._stop_asking("the layer helper was closed")
         self._reader.join(ANSWER_TIMEOUT_S)
+        if not self._reader.is_alive():
+            self.sock.close()  # closed by the reader already, unless it never ran
 
     def _end(self) -> None:
-        """With the lock held: end the helper and its answers' thread (which, where it
-        is the caller, returns next)."""
+        """With the lock held: end the helper and its answers' thread (EOF on the socket:
+        the thread closes it)."""
         import subprocess
 
         self._stop = True
         with contextlib.suppress(OSError):  # wakes the answers' thread: EOF
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
         if self.process is not None:
             try:
                 self.process.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel
+                    self.process.wait(timeout=1.0)
         elif self.watch is not None:  # its zygote reaps it
             if not self.watch.wait_dead(1.0):
                 self.watch.kill()
                 self.watch.wait_dead(1.0)
             self.watch.close()
+
+    def _inherited(self) -> None:
+        """In a process forked from the controller (the answers' thread did not come
+        along): this end is the parent's. Nothing is asked from here, and only this
+        process's copies are let go of: no shutdown of the shared socket, no kill."""
+        import threading
+
+        self._asking = threading.RLock()  # held by the parent's thread, maybe
+        self._filed = threading.Condition(self._asking)
+        self.broken = "a process forked from the controller does not ask its layer helper"
+        self._stop = True
+        self._unanswered.clear()
+        for _answer, fds in self._answers.values():
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._answers.clear()
+        self.process = None
+        if self.watch is not None:
+            self.watch.close()  # this process's copy of the pidfd
+            self.watch = None
+        self.sock.close()
+
+
+_live_helpers: Any = None  # a WeakSet of LayerHelper, once the first one starts
+
+
+def _inherited_by_forks(helper: LayerHelper) -> None:
+    """Have a fork of this process let go of ``helper`` (:meth:`LayerHelper._inherited`)."""
+    global _live_helpers
+    if _live_helpers is None:
+        import weakref
+
+        _live_helpers = weakref.WeakSet()
+        os.register_at_fork(after_in_child=_let_go_in_child)
+    _live_helpers.add(helper)
+
+
+def _let_go_in_child() -> None:
+    for helper in list(_live_helpers or ()):
+        helper._inherited()
 
 
 class _Pending:

@@ -880,6 +880,7 @@ def test_a_fork_of_many_sources_checked_ahead_does_not_stall_the_helper(monkeypa
     from gym_fork.system import layer_helper
 
     monkeypatch.setattr(layer_helper, "ANSWER_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(layer_helper, "ANSWER_WAIT_S", 4.0)
     helper = layer_helper.LayerHelper(1 << 20)
     pidfd = os.pidfd_open(os.getpid())
     try:
@@ -1081,48 +1082,52 @@ def test_a_source_that_never_says_its_layer_is_adopted_is_not_forked_on_it(monke
         envs.close()
 
 
-def _interrupt_the_freeze_wait(monkeypatch):
-    """A Ctrl-C once the helper's freeze answer is read, before it is taken."""
+def _ctrl_c_in_the_freeze(monkeypatch, ctrl_c):
+    """A Ctrl-C once the helper's freeze answer is filed, before it is taken."""
     from gym_fork.system.layer_helper import LayerHelper
 
-    answer = LayerHelper._answer
+    freeze, answer = LayerHelper.freeze, LayerHelper._answer
 
-    def interrupted(self, number, keep=False, deadline=None):
-        if keep and deadline is None:  # a freeze's wait: its answer filed, not taken
+    def interrupted_freeze(self, *args):
+        def interrupted(helper, number):
+            assert wait_until(lambda: number in helper._answers, timeout=10)
+            ctrl_c()
+            return answer(helper, number)
+
+        monkeypatch.setattr(LayerHelper, "_answer", interrupted)
+        try:
+            return freeze(self, *args)
+        finally:
             monkeypatch.setattr(LayerHelper, "_answer", answer)
-            assert wait_until(lambda: number in self._answers, timeout=10)
-            raise KeyboardInterrupt
-        return answer(self, number, keep, deadline)
 
-    monkeypatch.setattr(LayerHelper, "_answer", interrupted)
+    monkeypatch.setattr(LayerHelper, "freeze", interrupted_freeze)
 
 
 @pytest.mark.parametrize(("sealed_at_once", "twice"), [(True, False), (False, False), (True, True)])
 def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(
-    monkeypatch, sealed_at_once, twice
+    monkeypatch, ctrl_c, sealed_at_once, twice
 ):
-    """The helper froze the source's /tmp, and the controller's wait for its answer is
-    interrupted: the answer is taken all the same, the source keeps its new layer (and
-    the frozen one is sealed), the fork is given up; its later writes reach its next
-    branch, and never a branch made before them."""
+    """The helper froze the source's /tmp, and a Ctrl-C comes while the controller waits
+    for its answer (``twice``: another as the layer is sent): the Ctrl-C waits until the
+    source has its new layer (the frozen one sealed, or left to seal at its next fork),
+    then the fork is given up; its later writes reach its next branch, and never a
+    branch made before them."""
+    from gym_fork.hosts.process import forking
+
     envs = workspace_env()
     try:
         if not sealed_at_once:
             envs.call("hold_log")
             envs.call("enter", "/tmp/ws")
-        _interrupt_the_freeze_wait(monkeypatch)
-        if twice:  # a second Ctrl-C while the answer is taken all the same
-            from gym_fork.system.layer_helper import LayerHelper
+        _ctrl_c_in_the_freeze(monkeypatch, ctrl_c)
+        if twice:
+            send_layer = forking._send_layer
 
-            answer = LayerHelper._answer
+            def interrupted_again(*args, **kwargs):
+                ctrl_c()
+                return send_layer(*args, **kwargs)
 
-            def interrupted_again(self, number, keep=False, deadline=None):
-                if deadline is not None:
-                    monkeypatch.setattr(LayerHelper, "_answer", answer)
-                    raise KeyboardInterrupt
-                return answer(self, number, keep, deadline)
-
-            monkeypatch.setattr(LayerHelper, "_answer", interrupted_again)
+            monkeypatch.setattr(forking, "_send_layer", interrupted_again)
         with pytest.raises(KeyboardInterrupt):
             envs.fork("interrupted")
         monkeypatch.undo()
@@ -1352,13 +1357,13 @@ def test_a_ctrl_c_as_the_seal_is_answered_leaves_the_source_forkable(monkeypatch
         envs.call("stash_layer")
         answer = LayerHelper._answer
 
-        def interrupted(self, number, keep=False, deadline=None):
+        def interrupted(self, number):
             assert wait_until(lambda: number in self._answers or self.broken, timeout=10)
             if "sealed" in self._answers.get(number, ({}, []))[0]:  # the seal's: not taken
                 monkeypatch.setattr(LayerHelper, "_answer", answer)
                 self.forget(number)  # what an interrupted wait does
                 raise KeyboardInterrupt
-            return answer(self, number, keep, deadline)
+            return answer(self, number)
 
         monkeypatch.setattr(LayerHelper, "_answer", interrupted)
         with pytest.raises(KeyboardInterrupt):

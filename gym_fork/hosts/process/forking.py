@@ -19,6 +19,7 @@ from gym_fork.hosts.batching import fork_overlapped
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
 from gym_fork.system import cgroups
+from gym_fork.system.held_signals import held
 from gym_fork.system.linux import ProcessWatch
 from gym_fork.text_safety import escape_controls
 from gym_fork.transport.control import MAX_FDS
@@ -102,15 +103,19 @@ def _start_fork(
             "fork_id": fork_id,
         }
         waiting = job.ask_later(P.FORK, arg)
-        if freezing:  # the source wakes and waits for its layer while the helper works
-            if layers.wrote(source) and layers.freeze(source) is not None:
-                frozen = layers.take_in_flight(source)
-            _send_layer(link, frozen, fork_id)
+        if freezing and layers.wrote(source):  # the helper works while the source wakes
+            with held():  # the freeze, until its layer is the source's (a Ctrl-C: then)
+                if layers.freeze(source) is not None:
+                    frozen = layers.take_in_flight(source)
+                _send_layer(link, frozen, fork_id)
+                layer_said = True
+                if frozen is not None:
+                    os.close(frozen[0])  # the source's now
+        elif freezing:  # nothing to freeze: the source is told so
+            _send_layer(link, None, fork_id)
             layer_said = True
-            if frozen is not None:
-                os.close(frozen[0])  # the source's now
-            if frozen is not None and frozen[1] is not None:
-                _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
+        if frozen is not None and frozen[1] is not None:
+            _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     except BaseException:
         if waiting is not None:
             # A freeze the helper made reaches its source even now (a Ctrl-C included).
@@ -182,20 +187,20 @@ def _give_up(
     get it)."""
     if due is not None:
         frozen = due[0]
-        try:
-            _send_layer(link, frozen, fork_id, cancelled=True)
-        except BaseException as exc:  # gone, deaf, or a second Ctrl-C
-            if frozen is not None:
-                os.close(frozen[0])
-                host.tmp_layers.lose(source, "its new /tmp layer could not be sent to it")
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            if frozen is not None:
-                os.close(frozen[0])
-            if frozen is not None and frozen[1] is not None:
-                with contextlib.suppress(Exception):
-                    _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
+        with held():  # a second Ctrl-C: once the layer is the source's, or recorded lost
+            try:
+                _send_layer(link, frozen, fork_id, cancelled=True)
+            except Exception:  # gone, or deaf
+                if frozen is not None:
+                    host.tmp_layers.lose(source, "its new /tmp layer could not be sent to it")
+                    os.close(frozen[0])
+                frozen = None
+            else:
+                if frozen is not None:
+                    os.close(frozen[0])
+        if frozen is not None and frozen[1] is not None:
+            with contextlib.suppress(Exception):
+                _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     with contextlib.suppress(Exception):
         waiting()
 

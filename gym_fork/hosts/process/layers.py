@@ -21,9 +21,10 @@ from gym_fork import knobs
 from gym_fork.hosts.base import WorkerHandle
 from gym_fork.hosts.process import zygote
 from gym_fork.system import frozen_layers
+from gym_fork.system.held_signals import held
 from gym_fork.system.host_view import TREE_TMP_VIEW
 from gym_fork.system.isolation import IsolationConfig
-from gym_fork.system.layer_helper import FreezeInterrupted, LayerHelper, LayerLost
+from gym_fork.system.layer_helper import LayerHelper, LayerLost
 
 log = logging.getLogger("gym_fork")
 
@@ -50,6 +51,7 @@ class TmpLayers:
         # pid -> a freeze's (new layer fd, token) not yet sent to its source
         self.in_flight: dict[int, tuple[int, int | None]] = {}
         self._starting = threading.Lock()  # one helper, whichever thread forks first
+        self.closed = False  # no helper is started any more
         self.started: dict[int, float] = {}  # token -> when its freeze was asked
         # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
         # it): from asking the freeze to the frozen layer sealed; where the helper
@@ -92,9 +94,12 @@ class TmpLayers:
 
     def _helper(self) -> LayerHelper:
         with self._starting:
+            if self.closed:  # a fork racing the host's close: its sources copy
+                raise RuntimeError("the host is closed")
             if self.helper is None:
                 size = self.isolation.layer_bytes()
-                self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
+                with held():  # started is kept: else its process and thread live on
+                    self.helper = LayerHelper(size, zygote.fork_layer_helper(size))
             return self.helper
 
     def _why_off(self) -> str:
@@ -151,30 +156,25 @@ class TmpLayers:
         reopened its files, or None where the helper sealed the frozen layer already),
         or None (its clones copy them; the helper said why). RuntimeError where the
         helper ended midway: the source's layer is unknown then, and it is not forked
-        again."""
+        again. Signals wait (``held``) until the result is kept in flight: a Ctrl-C in
+        the helper's answer comes once it is (the caller sends it on)."""
         asked = time.perf_counter()
-        try:
-            fd, _depth, token = self._helper().freeze(
-                *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
-            )
-        except FreezeInterrupted as exc:  # a Ctrl-C: what was frozen is kept in flight
-            if exc.result is None:
-                self.lose(source, exc.why)
-            else:
-                fd, _depth, token = exc.result
-                self._started(source, asked, fd, token)
-            raise
-        except LayerLost as exc:  # its /tmp may stand on the new layer already
-            if self.helper is not None and self.helper.broken:
-                self.off = self.helper.broken
-            self.lose(source, str(exc))
-            raise RuntimeError(f"fork of {source.name}: {exc}") from exc
-        except (OSError, RuntimeError) as exc:
-            if self.helper is not None and self.helper.broken:
-                self.off = self.helper.broken  # it ended before this freeze began
-            self._say(source, str(exc))
-            return None
-        return self._started(source, asked, fd, token)
+        with held():
+            try:
+                fd, _depth, token = self._helper().freeze(
+                    *_layer_of(source), self.isolation.layer_bytes(), TREE_TMP_VIEW
+                )
+            except LayerLost as exc:  # its /tmp may stand on the new layer already
+                if self.helper is not None and self.helper.broken:
+                    self.off = self.helper.broken
+                self.lose(source, str(exc))
+                raise RuntimeError(f"fork of {source.name}: {exc}") from exc
+            except (OSError, RuntimeError) as exc:
+                if self.helper is not None and self.helper.broken:
+                    self.off = self.helper.broken  # it ended before this freeze began
+                self._say(source, str(exc))
+                return None
+            return self._started(source, asked, fd, token)
 
     def _started(
         self, source: WorkerHandle, asked: float, fd: int, token: int | None
@@ -263,6 +263,8 @@ class TmpLayers:
 
     def close(self) -> None:
         """End the helper, if one was started."""
+        with self._starting:
+            self.closed = True
         self.checks.clear()
         for pid in list(self.in_flight):  # a fork in another thread may take one first
             taken = self.in_flight.pop(pid, None)

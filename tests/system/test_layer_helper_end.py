@@ -1,0 +1,107 @@
+"""The controller's end of the layer helper (gym_fork/system/layer_helper.py) under a
+Ctrl-C, a close from another thread, and a fork of the controller."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from gym_fork.system import layer_helper
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the layer helper runs as root")
+
+
+@pytest.fixture
+def helper():
+    started = layer_helper.LayerHelper(1 << 20)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        yield started, pidfd
+    finally:
+        os.close(pidfd)
+        if started.process is not None:
+            with contextlib.suppress(ProcessLookupError):  # stopped by a test, or killed
+                os.kill(started.process.pid, signal.SIGCONT)
+        started.close()
+
+
+def test_a_ctrl_c_as_a_request_is_sent_misfiles_no_answer(helper, ctrl_c, monkeypatch):
+    """The request went out, then the Ctrl-C: it is recorded all the same (and its
+    answer dropped), so the next answers are filed under their own requests; a request
+    sent and not recorded would have its answer filed under the next one, and the
+    helper broken by an answer 'nobody asked for'."""
+    started, pidfd = helper
+    send_fds = socket.send_fds
+
+    def sent_then_ctrl_c(*args):
+        sent = send_fds(*args)
+        ctrl_c()
+        return sent
+
+    monkeypatch.setattr(socket, "send_fds", sent_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        started.ask_wrote_since(pidfd, 0)
+    monkeypatch.setattr(socket, "send_fds", send_fds)
+    later = [started.ask_wrote_since(pidfd, 0) for _ in range(3)]
+    for number in later:
+        started.wrote_since(number)
+    assert wait_until(lambda: not started._unanswered, timeout=10)
+    assert not started.broken
+    assert not started._answers and not started._abandoned
+
+
+def test_close_releases_a_thread_waiting_for_an_answer(helper):
+    """A freeze waited for in another thread while the host closes: it fails at once
+    (LayerLost: the helper was on it), not at its deadline (10 s)."""
+    started, pidfd = helper
+    assert started.process is not None
+    os.kill(started.process.pid, signal.SIGSTOP)  # it answers nothing
+    outcome: list[BaseException] = []
+
+    def wait_for_a_freeze():
+        try:
+            started.freeze(pidfd, 0, 1 << 20, "/nowhere")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait_for_a_freeze)
+    waiter.start()
+    assert wait_until(lambda: started._unanswered, timeout=10)
+    began = time.monotonic()
+    started.close()
+    waiter.join(layer_helper.ANSWER_WAIT_S)
+    assert not waiter.is_alive() and time.monotonic() - began < layer_helper.ANSWER_WAIT_S / 2
+    assert isinstance(outcome[0], layer_helper.LayerLost), outcome
+    assert started.sock.fileno() == -1  # closed, by its one reader
+
+
+def test_a_forked_child_of_the_controller_leaves_its_helper_alone(helper):
+    """A fork of the controller (a user's multiprocessing worker) inherits the helper's
+    end without its answers' thread: there it asks nothing and its close neither shuts
+    the shared socket down nor ends the helper; the controller's end works on."""
+    started, pidfd = helper
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = 0 if started.broken else 2
+            started.close()
+            try:
+                started.ask_wrote_since(pidfd, 0)
+                code = 3
+            except RuntimeError:
+                pass
+        finally:
+            os._exit(code)
+    _pid, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert started.alive() and not started.broken
+    started.wrote_since(started.ask_wrote_since(pidfd, 0))
+    assert not started.broken
