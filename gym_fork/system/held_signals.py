@@ -16,6 +16,7 @@ to the outermost block's end.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -33,18 +34,35 @@ class _Holding:
     """The outermost block's state: the handlers it replaced, the signals that came."""
 
     def __init__(self) -> None:
-        self.active = True
         self.replaced: dict[int, _Handler] = {}
         self.came: list[tuple[int, FrameType | None]] = []
 
     def record(self, signum: int, frame: FrameType | None) -> None:
-        if self.active:
+        if _holding is self:
             self.came.append((signum, frame))
         else:  # left installed by a block whose exit was itself cut short: pass it on
             self.replaced[signum](signum, frame)
 
+    def restore(self) -> None:
+        """Put back the handlers it replaced (where no one replaced it meanwhile)."""
+        for signum, handler in self.replaced.items():
+            if signal.getsignal(signum) == self.record:
+                signal.signal(signum, handler)
+
 
 _holding: _Holding | None = None
+
+
+def _in_forked_child() -> None:
+    """A fork made while a block held signals (from another thread): the child never
+    reaches that block's end, so it gets its handlers back now."""
+    global _holding
+    holding, _holding = _holding, None
+    if holding is not None:
+        holding.restore()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 class held:
@@ -89,10 +107,9 @@ class held:
         holding = self._outermost
         assert holding is not None
         self._outermost = None
-        holding.active = False  # from here on, its recorder hands each signal straight on
-        for signum, handler in holding.replaced.items():
-            if signal.getsignal(signum) == holding.record:
-                signal.signal(signum, handler)
-        _holding = None
+        try:
+            holding.restore()  # signals meanwhile are still recorded
+        finally:
+            _holding = None  # from here on, a recorder left installed hands signals on
         for signum, frame in holding.came:
             holding.replaced[signum](signum, frame)

@@ -200,32 +200,37 @@ class LayerHelper:
         return self._answer(self._send(request, fds))
 
     def _send(self, request: dict[str, Any], fds: list[int]) -> int:
-        with self._asking:
-            if self.broken:
-                raise RuntimeError(self.broken)
-            # A short queue: the helper takes requests one at a time, and a send into a
-            # full socket would wait on it (a fork of hundreds of sources, checked ahead).
-            started = time.monotonic()
-            while len(self._unanswered) >= MAX_QUEUED:
-                self._wait_for_answers(self._left(started))
+        # Signals held outside the lock: their handlers (a user's too) run once it is
+        # free. A request sent is recorded as sent, else later answers are misfiled;
+        # one whose number a held Ctrl-C keeps from its caller is forgotten.
+        number: int | None = None
+        try:
+            with self._held(), self._asking:
                 if self.broken:
                     raise RuntimeError(self.broken)
-            number = next(self._numbers)
-            try:
-                with self._held():  # sent is recorded as sent: else answers are misfiled
-                    try:
-                        socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-                    except OSError as exc:  # timeout included
-                        self._break(f"the layer helper did not take a request ({exc})", exc)
-                    if not self._unanswered:
-                        self._head_since = time.monotonic()
-                    self._unanswered.append(number)
-            except BaseException:  # a Ctrl-C held until now included: no one will ask
-                self.forget(number)
-                raise
-            op = str(request.get("op", "freeze"))
-            self.asked[op] = self.asked.get(op, 0) + 1
+                # A short queue: the helper takes requests one at a time, and a send into
+                # a full socket would wait on it (a fork of hundreds of sources).
+                started = time.monotonic()
+                while len(self._unanswered) >= MAX_QUEUED:
+                    self._wait_for_answers(self._left(started))
+                    if self.broken:
+                        raise RuntimeError(self.broken)
+                number = next(self._numbers)
+                try:
+                    socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                except OSError as exc:  # timeout included
+                    self._break(f"the layer helper did not take a request ({exc})", exc)
+                if not self._unanswered:
+                    self._head_since = time.monotonic()
+                self._unanswered.append(number)
+                op = str(request.get("op", "freeze"))
+                self.asked[op] = self.asked.get(op, 0) + 1
+            assert number is not None
             return number
+        except BaseException:
+            if number is not None:
+                self.forget(number)
+            raise
 
     def _answer(self, number: int) -> tuple[dict[str, Any], list[int]]:
         """Answer ``number``, once the answers' thread has filed it: the helper is ended
@@ -259,8 +264,16 @@ class LayerHelper:
 
     def _wait_for_answers(self, timeout: float) -> None:
         """With the lock held: until an answer is filed (or the helper ends), at most
-        ``timeout`` seconds."""
-        self._filed.wait(timeout)
+        ``timeout`` seconds; the lock is held again whatever cut the wait short."""
+        try:
+            self._filed.wait(timeout)
+        except BaseException:
+            # A Ctrl-C right after the wait let go of the lock, before it could take it
+            # back: the caller's ``with`` would release a lock it no longer holds.
+            if not self._asking._is_owned():  # type: ignore[attr-defined]
+                with self._held():
+                    self._asking.acquire()
+            raise
 
     def _read_answers(self) -> None:
         """Thread: take each answer off the socket as it comes and file it under the

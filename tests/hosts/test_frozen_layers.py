@@ -1128,8 +1128,10 @@ def test_a_freeze_interrupted_by_ctrl_c_still_reaches_its_source(
                 return send_layer(*args, **kwargs)
 
             monkeypatch.setattr(forking, "_send_layer", interrupted_again)
+        started = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             envs.fork("interrupted")
+        assert time.monotonic() - started < 10  # the source was told: no 60 s wait
         monkeypatch.undo()
         envs.step(np.zeros(1, np.int64))
         first = envs.fork("first")
@@ -1228,6 +1230,44 @@ def test_each_source_is_sealed_as_soon_as_it_adopted_its_layer(monkeypatch):
             assert list(branch.call("read", "/tmp/ws/held.log")) == ["before\nbranch\n"] * 2
         finally:
             branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_second_ctrl_c_while_a_fork_is_given_up_leaks_no_end(monkeypatch):
+    """A Ctrl-C gives a fork up, and another cuts the giving up short: the clones'
+    channels, pipes and cgroups made for the fork are let go of all the same."""
+    from gym_fork.hosts.process import forking
+    from gym_fork.hosts.process.layers import TmpLayers
+
+    envs = workspace_env()
+    try:
+        envs.fork("warm").close()  # the helper and its fds exist before the count
+        before = set(os.listdir("/proc/self/fd"))
+
+        def first(self, source):
+            raise KeyboardInterrupt
+
+        give_up = forking._give_up
+
+        def second(host, source, link, waiting, *rest):
+            def interrupted():
+                try:
+                    waiting()  # the source's answer: its FORK failed
+                finally:
+                    raise KeyboardInterrupt
+
+            return give_up(host, source, link, interrupted, *rest)
+
+        monkeypatch.setattr(TmpLayers, "wrote", first)
+        monkeypatch.setattr(forking, "_give_up", second)
+        with pytest.raises(KeyboardInterrupt) as caught:  # its frames kept, as a REPL does
+            envs.fork("interrupted")
+        monkeypatch.undo()
+        left = [_target(fd) for fd in set(os.listdir("/proc/self/fd")) - before]
+        assert not [t for t in left if "memfd" in t or "pipe" in t or "cgroup" in t], left
+        del caught
+        envs.fork("after").close()
     finally:
         envs.close()
 

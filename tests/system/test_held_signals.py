@@ -77,3 +77,50 @@ def test_in_another_thread_it_holds_nothing():
     thread.start()
     thread.join(10)
     assert seen == [signal.getsignal(signal.SIGINT)]
+
+
+def test_a_signal_while_the_handlers_are_put_back_leaves_nothing_held(ctrl_c, monkeypatch):
+    """A Ctrl-C that lands while the block's end puts the handlers back (the real one is
+    back already) raises there: later blocks hold again all the same."""
+    from gym_fork.system import held_signals
+
+    put_back = signal.signal
+
+    def put_back_then_ctrl_c(signum, handler):
+        previous = put_back(signum, handler)
+        if handler is signal.default_int_handler:
+            ctrl_c()
+        return previous
+
+    with pytest.raises(KeyboardInterrupt), held():
+        monkeypatch.setattr(signal, "signal", put_back_then_ctrl_c)
+    monkeypatch.undo()
+    assert held_signals._holding is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    steps = []
+    with pytest.raises(KeyboardInterrupt), held():
+        ctrl_c()
+        sum(range(1000))
+        steps.append("held again")
+    assert steps == ["held again"]
+
+
+def test_a_process_forked_while_a_block_holds_gets_its_handlers_back(ctrl_c):
+    """A fork made by another thread while the main thread holds signals: the child
+    never reaches that block's end, and must not keep a recorder that swallows them."""
+    results = []
+
+    def fork_and_check():
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            from gym_fork.system import held_signals
+
+            ok = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            os._exit(0 if ok and held_signals._holding is None else 1)
+        results.append(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+
+    with held():
+        thread = threading.Thread(target=fork_and_check)
+        thread.start()
+        thread.join(30)
+    assert results == [0]

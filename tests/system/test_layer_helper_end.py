@@ -105,3 +105,50 @@ def test_a_forked_child_of_the_controller_leaves_its_helper_alone(helper):
     assert started.alive() and not started.broken
     started.wrote_since(started.ask_wrote_since(pidfd, 0))
     assert not started.broken
+
+
+def test_a_ctrl_c_as_a_wait_lets_go_of_the_lock_comes_out_as_itself(helper, monkeypatch):
+    """A Ctrl-C right after a condition's wait released the lock, before it took it
+    back: the KeyboardInterrupt comes out (not a RuntimeError about a lock not held,
+    which the check's caller would take for an answer), and the helper works on."""
+    started, pidfd = helper
+    assert started.process is not None
+    os.kill(started.process.pid, signal.SIGSTOP)  # the check waits
+    number = started.ask_wrote_since(pidfd, 0)
+    release = started._filed._release_save
+
+    def released_then_ctrl_c(*args):
+        release(*args)
+        monkeypatch.setattr(started._filed, "_release_save", release)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(started._filed, "_release_save", released_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        started.wrote_since(number)
+    assert not started._asking._is_owned()
+    os.kill(started.process.pid, signal.SIGCONT)
+    started.wrote_since(started.ask_wrote_since(pidfd, 0))
+    assert not started.broken
+
+
+def test_a_signal_held_by_a_request_is_handled_once_the_lock_is_free(helper, monkeypatch):
+    """A user's handler of a held signal may close the env: it runs with the helper's
+    lock free (else the answers' thread could not file anything meanwhile)."""
+    started, pidfd = helper
+    owned = []
+    previous = signal.signal(signal.SIGHUP, lambda *_: owned.append(started._asking._is_owned()))
+    send_fds = socket.send_fds
+
+    def sent_then_hangup(*args):
+        sent = send_fds(*args)
+        os.kill(os.getpid(), signal.SIGHUP)
+        return sent
+
+    try:
+        monkeypatch.setattr(socket, "send_fds", sent_then_hangup)
+        number = started.ask_wrote_since(pidfd, 0)
+        monkeypatch.setattr(socket, "send_fds", send_fds)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert owned == [False]
+    started.wrote_since(number)

@@ -73,8 +73,15 @@ def _start_fork(
     """Send one source its clones' fds and FORK request; returns what waits for the
     answer and adopts the clones."""
     source = job.source
-    ends = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
-    groups = _clone_groups(host, len(orders))
+    with held():  # made is kept: the except below lets go of them
+        ends = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
+        try:
+            groups = _clone_groups(host, len(orders))
+        except BaseException:
+            for end in ends:
+                end.handed_over()
+                end.abort()
+            raise
     fds = []
     for end, slab_fd, own in zip(ends, slab_fds, groups.fds, strict=True):
         fds += [slab_fd, *end.fds(), *own]
@@ -86,6 +93,7 @@ def _start_fork(
     frozen: tuple[int, int | None] | None = None
     waiting: Callable[[], Any] | None = None
     layer_said = False  # the source knows whether a layer comes (it waits for one else)
+    sealing = False  # _seal_when_adopted begun: the source is told, whatever comes
     try:
         try:
             freezing = layers.may_freeze(source, host.tree_isolation)
@@ -115,16 +123,21 @@ def _start_fork(
             _send_layer(link, None, fork_id)
             layer_said = True
         if frozen is not None and frozen[1] is not None:
+            sealing = True
             _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
     except BaseException:
-        if waiting is not None:
-            # A freeze the helper made reaches its source even now (a Ctrl-C included).
-            due = None if layer_said else (layers.take_in_flight(source) or frozen,)
-            _give_up(host, source, link, waiting, due, fork_id, what)
-        for end in ends:
-            end.handed_over()
-            end.abort()
-        cgroups.remove_groups([p for paths in groups.paths for p in paths])
+        try:
+            if waiting is not None:
+                # A freeze the helper made reaches its source even now (a Ctrl-C too),
+                # and a source that has its layer is told about its seal.
+                due = None if layer_said else (layers.take_in_flight(source) or frozen,)
+                unsealed = None if sealing or not layer_said or frozen is None else frozen[1]
+                _give_up(host, source, link, waiting, due, unsealed, fork_id, what)
+        finally:  # a second Ctrl-C too
+            for end in ends:
+                end.handed_over()
+                end.abort()
+            cgroups.remove_groups([p for paths in groups.paths for p in paths])
         raise
 
     def exchange() -> tuple[list[int], list[ProcessWatch]]:
@@ -176,15 +189,18 @@ def _give_up(
     link: SandboxLink,
     waiting: Callable[[], Any],
     due: tuple[tuple[int, int | None] | None] | None,
+    unsealed: int | None,
     fork_id: int,
     what: str,
 ) -> None:
     """A FORK asked and then given up by the controller. A source still waiting for its
     layer (``due``: the frozen layer, or None where the helper froze none) is told, with
-    the layer where there is one (sealed once adopted: else it stays recorded unsealed,
-    and is sealed before the source's next fork), and fails the FORK at once; then its
-    answer is taken (a source must not be left with a stale one: the next request would
-    get it)."""
+    the layer where there is one; a source that has its layer (sent, or sent now) and
+    waits for its seal (``unsealed``: its token) gets it (else the token stays recorded
+    unsealed, and is sealed before the source's next fork): either way it fails the FORK
+    at once, and its answer is taken (a source must not be left with a stale one: the
+    next request would get it)."""
+    token = unsealed
     if due is not None:
         frozen = due[0]
         with held():  # a second Ctrl-C: once the layer is the source's, or recorded lost
@@ -198,9 +214,11 @@ def _give_up(
             else:
                 if frozen is not None:
                     os.close(frozen[0])
-        if frozen is not None and frozen[1] is not None:
-            with contextlib.suppress(Exception):
-                _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
+        if frozen is not None:
+            token = frozen[1]
+    if token is not None:
+        with contextlib.suppress(Exception):
+            _seal_when_adopted(host, source, link, token, fork_id, what, given_up=True)
     with contextlib.suppress(Exception):
         waiting()
 
@@ -212,6 +230,7 @@ def _seal_when_adopted(
     token: int,
     fork_id: int,
     what: str,
+    given_up: bool = False,
 ) -> None:
     """The source reopened its /tmp files on its new layer (LayerAdopted): make the
     frozen one read-only and tell it (LayerSealed); it forks its clones only then. Done
@@ -219,7 +238,8 @@ def _seal_when_adopted(
     not sealed here (no word from the source in time, a file of it still open for
     writing, a Ctrl-C) stays recorded unsealed from its freeze on: the source's next
     fork seals it first, and is refused until it can. The source is told, whatever
-    happened, so that it does not wait out its own deadline."""
+    happened, so that it does not wait out its own deadline (``given_up``: that its
+    FORK fails, sealed or not)."""
     sealed, why = False, "the controller gave the fork up"
     try:
         M.receive_for(link.sock, fork_id, M.LayerAdopted, SEAL_WAIT_S, what)
@@ -231,7 +251,8 @@ def _seal_when_adopted(
         raise SandboxStartError(f"{what}: {why}") from exc
     finally:
         with contextlib.suppress(OSError):
-            M.send(link.sock, M.LayerSealed(sealed, escape_controls(why[:500]), fork_id))
+            said = M.LayerSealed(sealed, escape_controls(why[:500]), fork_id, given_up)
+            M.send(link.sock, said)
 
 
 def _clone_groups(host: ProcessHost, count: int) -> cgroups.CloneGroups:

@@ -70,8 +70,9 @@ class TmpLayers:
         for pid, (_number, watch) in list(self.checks.items()):
             if not watch.alive():
                 self._forget_check(pid)
-        for source in sources:
-            self.check_soon(source, tree)
+        with held():  # one swap of the handlers for them all
+            for source in sources:
+                self.check_soon(source, tree)
 
     def check_soon(self, source: WorkerHandle, tree: dict[str, Any]) -> None:
         """A fork of ``source`` begins: ask the helper now, without waiting, whether there
@@ -82,8 +83,9 @@ class TmpLayers:
         if self.off or _why_not_for(source, tree):
             return
         try:
-            number = self._helper().ask_wrote_since(*_layer_of(source))
-            self.checks[source.pid] = (number, source.watch)
+            with held():  # asked is recorded: else its answer is kept for no one
+                number = self._helper().ask_wrote_since(*_layer_of(source))
+                self.checks[source.pid] = (number, source.watch)
         except (OSError, RuntimeError):
             return  # the freeze asks again, and says why
 

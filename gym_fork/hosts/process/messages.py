@@ -309,12 +309,14 @@ class LayerAdopted(Message):
 @dataclass(frozen=True)
 class LayerSealed(Message):
     """Controller: the frozen layer is read-only (``sealed``), or why not (the FORK
-    then fails: its clones would share a layer that can still be written)."""
+    then fails: its clones would share a layer that can still be written);
+    ``cancelled``: the controller gave the fork up (the FORK fails, the layer kept)."""
 
     OP = "layer-sealed"
     sealed: bool
     why: str = ""
     fork_id: int = 0
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> None:
     layer, fds = M.receive_for(
         worker.sock, fork_id, M.FrozenLayer, SIDE_TIMEOUT_S, "frozen layer", _late
     )
-    why = ""
+    why, cancelled = "", layer.cancelled
     if layer.frozen:
         failed: Exception | None = None
         try:
@@ -225,11 +225,12 @@ def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> None:
                 worker.sock, fork_id, M.LayerSealed, SIDE_TIMEOUT_S, "seal", _late
             )
             why = "" if sealed.sealed else sealed.why
+            cancelled = cancelled or sealed.cancelled
         if failed is not None:
             raise failed
     else:
         M.close_fds(fds)
-    if layer.cancelled:
+    if cancelled:
         raise RuntimeError("fork: the controller gave it up")
     if why:
         raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
