@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle, WorkerSpec, release_all
+from gym_fork.system.held_signals import held
 
 
 def spawn_in_batches(
@@ -29,9 +31,17 @@ def spawn_in_batches(
     return handles
 
 
-# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders``
-# now; the function it returns waits for the answer and makes their handles.
-StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Callable[[], list[WorkerHandle]]]
+class Finishing(NamedTuple):
+    """A fork asked for: ``wait()`` for the source's answer (interruptible), then
+    ``adopt(answer)``: the clones' handles, made while signals are held (a Ctrl-C
+    between the two would leave clones no handle holds)."""
+
+    wait: Callable[[], Any]
+    adopt: Callable[[Any], list[WorkerHandle]]
+
+
+# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders`` now.
+StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Finishing]
 
 
 def fork_overlapped(
@@ -46,7 +56,7 @@ def fork_overlapped(
     last one is answered. If one fails, every answer already asked for is still taken (a
     source must not be left with a stale one) and every clone made is released."""
     batches = [list(range(0, len(job.orders), batch)) for job in jobs]
-    pending: deque[tuple[int, Callable[[], list[WorkerHandle]]]] = deque()
+    pending: deque[tuple[int, Finishing]] = deque()
     made: list[list[WorkerHandle]] = [[] for _ in jobs]
 
     def start_next(k: int) -> None:
@@ -61,14 +71,18 @@ def fork_overlapped(
         if meanwhile is not None:  # every source is forking now
             meanwhile()
         while pending:
-            k, finish = pending.popleft()
-            made[k] += finish()
+            k, finishing = pending.popleft()
+            answer = finishing.wait()
+            with held():  # the clones exist: their handles kept before a Ctrl-C comes
+                made[k] += finishing.adopt(answer)
             start_next(k)
     except BaseException:
         try:
-            for k, finish in pending:  # asked for: take the answers, then release them
+            for k, finishing in pending:  # asked for: take the answers, then release them
                 with contextlib.suppress(Exception):
-                    made[k] += finish()
+                    answer = finishing.wait()
+                    with held():
+                        made[k] += finishing.adopt(answer)
         finally:  # a second Ctrl-C while answers are taken still releases what was made
             release_all(h for handles in made for h in handles)
         raise

@@ -1,4 +1,4 @@
-"""Batches of clones (gym_fork/hosts/base.py): fork_overlapped asks every source before
+"""Batches of clones (gym_fork/hosts/batching.py): fork_overlapped asks every source before
 it awaits any answer, one request per source at a time, and on a failure still takes
 every answer asked for and releases every clone made; spawn_in_batches releases the
 earlier batches when one fails."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gym_fork.hosts.base import ForkJob
-from gym_fork.hosts.batching import fork_overlapped, spawn_in_batches
+from gym_fork.hosts.batching import Finishing, fork_overlapped, spawn_in_batches
 
 
 class Clone:
@@ -35,11 +35,11 @@ def test_every_source_is_asked_before_any_answer_is_awaited():
     def start(job, orders, slab_fds):
         events.append(f"ask {job.source} {orders}")
 
-        def finish():
+        def wait():
             events.append(f"answer {job.source} {orders}")
-            return [Clone(f"{job.source}{o}") for o in orders]
+            return orders
 
-        return finish
+        return Finishing(wait, lambda answer: [Clone(f"{job.source}{o}") for o in answer])
 
     made = fork_overlapped([job("a", 3), job("b", 1)], 2, start)
     assert [[c.name for c in clones] for clones in made] == [["a0", "a1", "a2"], ["b0"]]
@@ -57,19 +57,42 @@ def test_a_failure_takes_every_answer_asked_for_and_releases_every_clone():
     made = []
 
     def start(job, orders, slab_fds):
-        def finish():
+        def wait():
             if job.source == "a":
                 raise OSError("a failed")
-            clones = [Clone(f"{job.source}{o}") for o in orders]
+            return orders
+
+        def adopt(answer):
+            clones = [Clone(f"{job.source}{o}") for o in answer]
             made.extend(clones)
             return clones
 
-        return finish
+        return Finishing(wait, adopt)
 
     with pytest.raises(OSError, match="a failed"):
         fork_overlapped([job("a", 1), job("b", 2)], 1, start)
     assert [c.name for c in made] == ["b0"]  # b's answer was asked for: taken
     assert all(c.released for c in made)
+
+
+def test_a_ctrl_c_while_clones_are_adopted_comes_once_they_are_kept_then_released(ctrl_c):
+    """The source answered: its clones exist. A Ctrl-C while their handles are made
+    waits until they are kept, and they are released (else no handle would hold them)."""
+    made = []
+
+    def start(job, orders, slab_fds):
+        def adopt(answer):
+            ctrl_c()
+            sum(range(1000))  # the KeyboardInterrupt would have come by now, unheld
+            clones = [Clone(f"{job.source}{o}") for o in answer]
+            made.extend(clones)
+            return clones
+
+        return Finishing(lambda: orders, adopt)
+
+    with pytest.raises(KeyboardInterrupt):
+        fork_overlapped([job("a", 2)], 1, start)
+    assert [(c.name, c.released) for c in made] == [("a0", True)]
 
 
 def test_spawn_in_batches_releases_the_earlier_batches_when_one_fails():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gym_fork.errors import SandboxStartError
 from gym_fork.gpu.cuda import ForkUnsafeError
 from gym_fork.hosts.base import CloneOrder, ForkJob, WorkerHandle
-from gym_fork.hosts.batching import fork_overlapped
+from gym_fork.hosts.batching import Finishing, fork_overlapped
 from gym_fork.hosts.process import messages as M
 from gym_fork.hosts.process.ends import SandboxEnds, SandboxLink, hand_over
 from gym_fork.system import cgroups
@@ -57,8 +57,9 @@ def fork_many(
         lambda job, orders, fds: _start_fork(host, job, orders, fds, num_envs, ring_capacity),
         meanwhile,
     )
-    for handles in made:
-        host._register(handles)
+    with held():  # registered, all of them, before a Ctrl-C comes
+        for handles in made:
+            host._register(handles)
     return made
 
 
@@ -69,9 +70,9 @@ def _start_fork(
     slab_fds: list[int],
     num_envs: int,
     ring_capacity: int,
-) -> Callable[[], list[WorkerHandle]]:
+) -> Finishing:
     """Send one source its clones' fds and FORK request; returns what waits for the
-    answer and adopts the clones."""
+    answer and what adopts the clones."""
     source = job.source
     with held():  # made is kept: the except below lets go of them
         ends = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
@@ -134,27 +135,36 @@ def _start_fork(
                 unsealed = None if sealing or not layer_said or frozen is None else frozen[1]
                 _give_up(host, source, link, waiting, due, unsealed, fork_id, what)
         finally:  # a second Ctrl-C too
-            for end in ends:
-                end.handed_over()
-                end.abort()
-            cgroups.remove_groups([p for paths in groups.paths for p in paths])
+            _let_go(ends, groups)
         raise
 
-    def exchange() -> tuple[list[int], list[ProcessWatch]]:
+    def wait() -> list[int]:
+        """The source's answer: its clones' pids (interruptible: a Ctrl-C lets go of
+        the clones' ends, and they exit)."""
         assert waiting is not None  # asked above
-        pids = waiting()
-        if isinstance(pids, dict):  # refused: it would share memory with its clones
-            raise _shared_memory_refused(source, pids)
-        # The worker sent a pidfd of each clone on its side socket before replying.
-        reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
-        if reply.pids != list(pids):
-            M.close_fds(pidfds)
-            raise SandboxStartError(f"{what}: pidfds do not match")
-        return pids, host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
-
-    def finish() -> list[WorkerHandle]:
         try:
-            pids, watches = hand_over(ends, exchange)
+            pids = waiting()
+            if isinstance(pids, dict):  # refused: it would share memory with its clones
+                raise _shared_memory_refused(source, pids)
+        except BaseException:
+            _let_go(ends, groups)
+            raise
+        return pids
+
+    def adopt(pids: list[int]) -> list[WorkerHandle]:
+        """The clones exist: their handles (the caller holds signals until it keeps
+        them: bounded, ClonesForked's deadline)."""
+
+        def exchange() -> list[ProcessWatch]:
+            # The worker sent a pidfd of each clone on its side socket before replying.
+            reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
+            if reply.pids != list(pids):
+                M.close_fds(pidfds)
+                raise SandboxStartError(f"{what}: pidfds do not match")
+            return host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+
+        try:
+            watches = hand_over(ends, exchange)
         except BaseException:
             # Clones killed and not yet gone keep theirs until the tree's are removed.
             cgroups.remove_groups([p for paths in groups.paths for p in paths])
@@ -164,11 +174,21 @@ def _start_fork(
         ]
         for handle, paths in zip(handles, groups.paths, strict=True):
             if paths:  # removed when the handle is released, i.e. once it is seen gone
-                link = handle.host_data
-                handle.host_data = _CloneLink(link.sock, link.local_pid, paths)
+                link_of = handle.host_data
+                handle.host_data = _CloneLink(link_of.sock, link_of.local_pid, paths)
         return handles
 
-    return finish
+    return Finishing(wait, adopt)
+
+
+def _let_go(ends: list[SandboxEnds], groups: cgroups.CloneGroups) -> None:
+    """A fork's clones never came: close their ends, remove their cgroups."""
+    try:
+        for end in ends:
+            end.handed_over()
+            end.abort()
+    finally:
+        cgroups.remove_groups([p for paths in groups.paths for p in paths])
 
 
 def _send_layer(
