@@ -7,6 +7,7 @@ carry the worker's channel and slab fds with SCM_RIGHTS.
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import math
 import os
@@ -37,7 +38,15 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     sent = sock.sendmsg([data], ancillary)
     if sent < len(data):
-        sock.sendall(data[sent:])
+        try:
+            sock.sendall(data[sent:])
+        except BaseException:
+            # Part of the frame is out (a peer that does not read, past the socket's
+            # timeout; a Ctrl-C): the stream cannot be read in step any more, so it
+            # ends here rather than carry the next message after a torn one.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            raise
 
 
 _CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR

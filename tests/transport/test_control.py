@@ -81,3 +81,25 @@ def test_an_undecodable_payload_is_refused():
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_message_cut_short_by_a_deaf_peer_ends_the_stream():
+    """A peer that does not read: the send times out with part of the frame out. The
+    next message must not follow a torn one (the peer would read it as the rest of the
+    first): the stream ends there, and the peer reads the part, then EOF."""
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            send_message(ours, {"blob": b"x" * (1 << 20)})
+        with pytest.raises(OSError):
+            send_message(ours, {"op": "next"})
+        theirs.settimeout(5)
+        received = 0
+        while chunk := theirs.recv(1 << 16):
+            received += len(chunk)
+        assert 0 < received < (1 << 20)
+    finally:
+        ours.close()
+        theirs.close()
