@@ -55,13 +55,18 @@ def test_without_a_signal_nothing_is_raised_and_the_handlers_are_back(ctrl_c):
 
 
 def test_an_ignored_or_default_signal_is_left_alone():
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Only Python handlers are held: an ignored SIGINT stays ignored, a SIGTERM left
+    to the kernel's default still ends the process at once."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a test runner may have its own
     try:
         with held():
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_in_another_thread_it_holds_nothing():
