@@ -34,10 +34,12 @@ def spawn_in_batches(
 class Finishing(NamedTuple):
     """A fork asked for: ``wait()`` for the source's answer (interruptible), then
     ``adopt(answer)``: the clones' handles, made while signals are held (a Ctrl-C
-    between the two would leave clones no handle holds)."""
+    between the two would leave clones no handle holds); or ``let_go()`` of it unanswered
+    (a second Ctrl-C)."""
 
     wait: Callable[[], Any]
     adopt: Callable[[Any], list[WorkerHandle]]
+    let_go: Callable[[], None]  # never waited for: its clones' ends closed
 
 
 # ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders`` now.
@@ -78,11 +80,19 @@ def fork_overlapped(
             start_next(k)
     except BaseException:
         try:
-            for k, finishing in pending:  # asked for: take the answers, then release them
-                with contextlib.suppress(Exception):
+            while pending:  # asked for: take the answers, then release them
+                k, finishing = pending.popleft()
+                try:
                     answer = finishing.wait()
                     with held():
                         made[k] += finishing.adopt(answer)
+                except Exception:
+                    continue
+                except BaseException:  # a second Ctrl-C: the rest are let go of unanswered
+                    for _k, rest in pending:
+                        with contextlib.suppress(Exception):
+                            rest.let_go()
+                    raise
         finally:  # a second Ctrl-C while answers are taken still releases what was made
             release_all(h for handles in made for h in handles)
         raise

@@ -36,17 +36,20 @@ def send_message(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -
     payload = pack(message)
     data = _HEADER.pack(len(payload), len(fds)) + payload
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sent = sock.sendmsg([data], ancillary)
-    if sent < len(data):
-        try:
+    sent = 0
+    try:
+        sent = sock.sendmsg([data], ancillary)  # an OSError here: nothing went out
+        if sent < len(data):
             sock.sendall(data[sent:])
-        except BaseException:
-            # Part of the frame is out (a peer that does not read, past the socket's
-            # timeout; a Ctrl-C): the stream cannot be read in step any more, so it
-            # ends here rather than carry the next message after a torn one.
+    except BaseException as exc:
+        if sent or not isinstance(exc, OSError):
+            # Part of the frame may be out (a peer that does not read, past the
+            # socket's timeout; a Ctrl-C, even inside sendmsg): the stream cannot be
+            # read in step any more, so it ends here rather than carry the next
+            # message after a torn one.
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            raise
+        raise
 
 
 _CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR

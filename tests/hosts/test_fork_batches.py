@@ -39,7 +39,7 @@ def test_every_source_is_asked_before_any_answer_is_awaited():
             events.append(f"answer {job.source} {orders}")
             return orders
 
-        return Finishing(wait, lambda answer: [Clone(f"{job.source}{o}") for o in answer])
+        return Finishing(wait, lambda answer: [Clone(f"{job.source}{o}") for o in answer], list)
 
     made = fork_overlapped([job("a", 3), job("b", 1)], 2, start)
     assert [[c.name for c in clones] for clones in made] == [["a0", "a1", "a2"], ["b0"]]
@@ -67,7 +67,7 @@ def test_a_failure_takes_every_answer_asked_for_and_releases_every_clone():
             made.extend(clones)
             return clones
 
-        return Finishing(wait, adopt)
+        return Finishing(wait, adopt, list)
 
     with pytest.raises(OSError, match="a failed"):
         fork_overlapped([job("a", 1), job("b", 2)], 1, start)
@@ -88,7 +88,7 @@ def test_a_ctrl_c_while_clones_are_adopted_comes_once_they_are_kept_then_release
             made.extend(clones)
             return clones
 
-        return Finishing(lambda: orders, adopt)
+        return Finishing(lambda: orders, adopt, list)
 
     with pytest.raises(KeyboardInterrupt):
         fork_overlapped([job("a", 2)], 1, start)
@@ -109,3 +109,44 @@ def test_spawn_in_batches_releases_the_earlier_batches_when_one_fails():
     with pytest.raises(OSError, match="full"):
         spawn_in_batches([3, 4], [3, 4], 1, make)
     assert [(c.name, c.released) for c in made[3:]] == [("3", True)]
+
+
+def test_a_ctrl_c_while_a_fork_is_answered_kills_the_clones_the_source_made(monkeypatch):
+    """The Ctrl-C comes while the controller waits for the source's answer: the source
+    forks on (nothing told it in time), so its clones are killed once it says which,
+    and no process is left that no handle holds."""
+    import gymnasium as gym
+    import numpy as np
+
+    from gym_fork import ForkVectorEnv
+    from tests.helpers import descendants, wait_until
+
+    envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.fork("warm").close()
+        before = descendants()
+        pool_class = type(envs.sandboxes.pool)
+        ask_later = pool_class.ask_later
+
+        def interrupted_ask(self, worker, op, arg, timeout):
+            result = ask_later(self, worker, op, arg, timeout)
+            cut = []
+
+            def cut_short():
+                if not cut:  # the first wait: cut short before the answer is read
+                    cut.append(1)
+                    raise KeyboardInterrupt
+                return result()
+
+            return cut_short
+
+        monkeypatch.setattr(pool_class, "ask_later", interrupted_ask)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("interrupted")
+        monkeypatch.undo()
+        envs.step(np.zeros(1, np.int64))  # answered once the source is done with its FORK
+        assert wait_until(lambda: descendants() <= before, timeout=10), descendants() - before
+        envs.fork("after").close()
+    finally:
+        envs.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -111,7 +112,8 @@ def _start_fork(
             "ring_capacity": ring_capacity,
             "fork_id": fork_id,
         }
-        waiting = job.ask_later(P.FORK, arg)
+        with held():  # asked is recorded: the except below gives it up (ring send: at once)
+            waiting = job.ask_later(P.FORK, arg)
         if freezing and layers.wrote(source):  # the helper works while the source wakes
             with held():  # the freeze, until its layer is the source's (a Ctrl-C: then)
                 if layers.freeze(source) is not None:
@@ -140,14 +142,20 @@ def _start_fork(
 
     def wait() -> list[int]:
         """The source's answer: its clones' pids (interruptible: a Ctrl-C lets go of
-        the clones' ends, and they exit)."""
+        the clones' ends, and kills the clones the source makes all the same)."""
         assert waiting is not None  # asked above
         try:
             pids = waiting()
             if isinstance(pids, dict):  # refused: it would share memory with its clones
                 raise _shared_memory_refused(source, pids)
-        except BaseException:
-            _let_go(ends, groups)
+        except BaseException as exc:
+            try:
+                if isinstance(exc, KeyboardInterrupt) and source.awaiting:
+                    # Cut short before the answer: the source forks on, and its clones
+                    # are killed once it says which (a second Ctrl-C: left to the tree).
+                    _kill_clones_of_given_up(link, fork_id, what, waiting)
+            finally:
+                _let_go(ends, groups)
             raise
         return pids
 
@@ -178,7 +186,7 @@ def _start_fork(
                 handle.host_data = _CloneLink(link_of.sock, link_of.local_pid, paths)
         return handles
 
-    return Finishing(wait, adopt)
+    return Finishing(wait, adopt, lambda: _let_go(ends, groups))
 
 
 def _let_go(ends: list[SandboxEnds], groups: cgroups.CloneGroups) -> None:
@@ -239,8 +247,25 @@ def _give_up(
     if token is not None:
         with contextlib.suppress(Exception):
             _seal_when_adopted(host, source, link, token, fork_id, what, given_up=True)
+    _kill_clones_of_given_up(link, fork_id, what, waiting)
+
+
+def _kill_clones_of_given_up(
+    link: SandboxLink, fork_id: int, what: str, waiting: Callable[[], Any]
+) -> None:
+    """Take the source's answer to a FORK the controller gave up (a source must not be
+    left with a stale one: the next request would get it); where it made its clones
+    all the same (it was told too late), kill them: no handle will hold them."""
     with contextlib.suppress(Exception):
-        waiting()
+        pids = waiting()
+        if isinstance(pids, list) and pids:
+            _reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
+            try:
+                for fd in pidfds:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+            finally:
+                M.close_fds(pidfds)
 
 
 def _seal_when_adopted(
@@ -269,8 +294,11 @@ def _seal_when_adopted(
         host.tmp_layers.seal(source, token)
         why = f"its new /tmp layer was not adopted in time ({exc})"
         raise SandboxStartError(f"{what}: {why}") from exc
+    except BaseException:  # a Ctrl-C: the source's FORK fails, whatever was sealed
+        given_up = True
+        raise
     finally:
-        with contextlib.suppress(OSError):
+        with held(), contextlib.suppress(OSError):  # told, or it waits its 60 s out
             said = M.LayerSealed(sealed, escape_controls(why[:500]), fork_id, given_up)
             M.send(link.sock, said)
 
