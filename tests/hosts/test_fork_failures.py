@@ -143,3 +143,20 @@ def test_a_fork_whose_children_never_finish_fails_at_its_deadline(hook, copies):
         _fails_and_leaves_nothing(env, copies, match)
     finally:
         env.close()
+
+
+def test_a_source_whose_side_socket_takes_nothing_is_refused_by_name():
+    """A sandbox's side socket ended (a message to it was torn: it did not read in time):
+    its forks are refused, naming it and why, and its steps go on."""
+    import socket
+
+    envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.sandboxes.pool.workers[0].host_data.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(Exception, match="side socket takes no message") as refused:
+            envs.fork("b")
+        assert "sub-env 0" in str(refused.value) or "fork of" in str(refused.value)
+        envs.step(np.zeros(1, np.int64))
+    finally:
+        envs.close()

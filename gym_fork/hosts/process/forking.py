@@ -103,7 +103,13 @@ def _start_fork(
             handed = M.CloneFds(
                 len(orders), groups.controllers, groups.errors, freezing, fork_id=fork_id
             )
-            M.send(link.sock, handed, fds)
+            try:
+                M.send(link.sock, handed, fds)
+            except OSError as exc:  # a timeout, or a stream ended after a torn message
+                raise SandboxStartError(
+                    f"{what}: its side socket takes no message ({exc}); a sandbox that "
+                    "did not read it in time is forked no more (its steps go on)"
+                ) from exc
         finally:
             groups.close_fds()  # the source has its copies
         arg = {
