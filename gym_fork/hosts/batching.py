@@ -63,9 +63,11 @@ def fork_overlapped(
 
     def start_next(k: int) -> None:
         if batches[k]:
-            first = batches[k].pop(0)
+            first = batches[k][0]
             job, last = jobs[k], first + batch
-            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+            with held():  # asked is recorded: a Ctrl-C then finds it in pending
+                pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+                batches[k].pop(0)
 
     try:
         for k in range(len(jobs)):
@@ -73,9 +75,10 @@ def fork_overlapped(
         if meanwhile is not None:  # every source is forking now
             meanwhile()
         while pending:
-            k, finishing = pending.popleft()
-            answer = finishing.wait()
+            k, finishing = pending[0]  # left there until adopted: a Ctrl-C meanwhile
+            answer = finishing.wait()  # finds it (its wait() answers again)
             with held():  # the clones exist: their handles kept before a Ctrl-C comes
+                pending.popleft()
                 made[k] += finishing.adopt(answer)
             start_next(k)
     except BaseException:

@@ -5,6 +5,8 @@ earlier batches when one fails."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from gym_fork.hosts.base import ForkJob
@@ -92,6 +94,38 @@ def test_a_ctrl_c_while_clones_are_adopted_comes_once_they_are_kept_then_release
 
     with pytest.raises(KeyboardInterrupt):
         fork_overlapped([job("a", 2)], 1, start)
+    assert [(c.name, c.released) for c in made] == [("a0", True)]
+
+
+def test_a_ctrl_c_right_after_an_answer_still_has_its_clones_adopted_and_released(ctrl_c):
+    """The Ctrl-C lands as the answer is taken, before the adoption holds signals: the
+    request is still pending, so the clones its answer names are adopted, then
+    released (not left to no one)."""
+    made, fired = [], []
+
+    def wait_for(orders):
+        return orders
+
+    def ctrl_c_as_wait_returns(frame, event, arg):
+        if event == "return" and frame.f_code is wait_for.__code__ and not fired:
+            fired.append(True)
+            ctrl_c()  # handled in the caller, past the return
+
+    def start(job, orders, slab_fds):
+        def adopt(answer):
+            clones = [Clone(f"{job.source}{o}") for o in answer]
+            made.extend(clones)
+            return clones
+
+        return Finishing(lambda: wait_for(orders), adopt, list)
+
+    sys.setprofile(ctrl_c_as_wait_returns)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fork_overlapped([job("a", 1)], 1, start)
+    finally:
+        sys.setprofile(None)
+    assert fired
     assert [(c.name, c.released) for c in made] == [("a0", True)]
 
 

@@ -58,10 +58,7 @@ def fork_many(
         lambda job, orders, fds: _start_fork(host, job, orders, fds, num_envs, ring_capacity),
         meanwhile,
     )
-    with held():  # registered, all of them, before a Ctrl-C comes
-        for handles in made:
-            host._register(handles)
-    return made
+    return made  # registered with the host as each was adopted
 
 
 def _start_fork(
@@ -146,14 +143,23 @@ def _start_fork(
             _let_go(ends, groups)
         raise
 
+    taken: list[list[int]] = []  # the answer, once taken: wait() again returns it
+    ended: list[bool] = []  # wait() failed, or the fork was let go of: nothing to adopt
+
     def wait() -> list[int]:
         """The source's answer: its clones' pids (interruptible: a Ctrl-C lets go of
-        the clones' ends, and kills the clones the source makes all the same)."""
+        the clones' ends, and kills the clones the source makes all the same). Asked
+        again, the same answer (or, after a failure, RuntimeError at once)."""
         assert waiting is not None  # asked above
+        if taken:
+            return taken[0]
+        if ended:
+            raise RuntimeError(f"{what}: given up")
         try:
             pids = waiting()
             if isinstance(pids, dict):  # refused: it would share memory with its clones
                 raise _shared_memory_refused(source, pids)
+            taken.append(pids)
         except BaseException as exc:
             try:
                 if isinstance(exc, KeyboardInterrupt) and source.awaiting:
@@ -161,9 +167,14 @@ def _start_fork(
                     # are killed once it says which (a second Ctrl-C: left to the tree).
                     _kill_clones_of_given_up(link, fork_id, what, waiting)
             finally:
-                _let_go(ends, groups)
+                let_go()
             raise
         return pids
+
+    def let_go() -> None:
+        if not ended:
+            ended.append(True)
+            _let_go(ends, groups)
 
     def adopt(pids: list[int]) -> list[WorkerHandle]:
         """The clones exist: their handles (the caller holds signals until it keeps
@@ -190,9 +201,9 @@ def _start_fork(
             if paths:  # removed when the handle is released, i.e. once it is seen gone
                 link_of = handle.host_data
                 handle.host_data = _CloneLink(link_of.sock, link_of.local_pid, paths)
-        return handles
+        return host._register(handles)  # the tree's, from here on (weakly: released ones go)
 
-    return Finishing(wait, adopt, lambda: _let_go(ends, groups))
+    return Finishing(wait, adopt, let_go)
 
 
 def _let_go(ends: list[SandboxEnds], groups: cgroups.CloneGroups) -> None:
