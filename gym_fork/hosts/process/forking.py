@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -165,7 +164,7 @@ def _start_fork(
                 if isinstance(exc, KeyboardInterrupt) and source.awaiting:
                     # Cut short before the answer: the source forks on, and its clones
                     # are killed once it says which (a second Ctrl-C: left to the tree).
-                    _kill_clones_of_given_up(link, fork_id, what, waiting)
+                    _kill_clones_of_given_up(host, link, fork_id, what, waiting)
             finally:
                 let_go()
             raise
@@ -264,25 +263,28 @@ def _give_up(
     if token is not None:
         with contextlib.suppress(Exception):
             _seal_when_adopted(host, source, link, token, fork_id, what, given_up=True)
-    _kill_clones_of_given_up(link, fork_id, what, waiting)
+    _kill_clones_of_given_up(host, link, fork_id, what, waiting)
 
 
 def _kill_clones_of_given_up(
-    link: SandboxLink, fork_id: int, what: str, waiting: Callable[[], Any]
+    host: ProcessHost, link: SandboxLink, fork_id: int, what: str, waiting: Callable[[], Any]
 ) -> None:
     """Take the source's answer to a FORK the controller gave up (a source must not be
     left with a stale one: the next request would get it); where it made its clones
-    all the same (it was told too late), kill them: no handle will hold them."""
+    all the same (it was told too late), kill them: no handle will hold them. Only
+    what adoption would take for new sandboxes of the tree is killed (the source is
+    untrusted: it could name its warm parent, or a sibling)."""
     with contextlib.suppress(Exception):
         pids = waiting()
         if isinstance(pids, list) and pids:
-            _reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
-            try:
-                for fd in pidfds:
-                    with contextlib.suppress(OSError):
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-            finally:
-                M.close_fds(pidfds)
+            reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
+            watches = host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+            for watch in watches:
+                try:
+                    if watch.fd >= 0:
+                        watch.kill()
+                finally:
+                    watch.close()
 
 
 def _seal_when_adopted(
