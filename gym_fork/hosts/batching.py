@@ -65,9 +65,10 @@ def fork_overlapped(
         if batches[k]:
             first = batches[k][0]
             job, last = jobs[k], first + batch
-            with held():  # asked is recorded: a Ctrl-C then finds it in pending
-                pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
-                batches[k].pop(0)
+            # Not held: a start given up midway waits for its source's answer, which
+            # a Ctrl-C must be able to cut short.
+            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+            batches[k].pop(0)
 
     try:
         for k in range(len(jobs)):

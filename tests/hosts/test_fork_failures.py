@@ -154,7 +154,7 @@ def test_a_source_whose_side_socket_takes_nothing_is_refused_by_name():
     try:
         envs.reset(seed=0)
         envs.sandboxes.pool.workers[0].host_data.sock.shutdown(socket.SHUT_RDWR)
-        with pytest.raises(Exception, match="side socket takes no message") as refused:
+        with pytest.raises(Exception, match="side socket took no message") as refused:
             envs.fork("b")
         assert "sub-env 0" in str(refused.value) or "fork of" in str(refused.value)
         envs.step(np.zeros(1, np.int64))

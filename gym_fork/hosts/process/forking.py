@@ -103,8 +103,9 @@ def _start_fork(
                 M.send(link.sock, handed, fds)
             except OSError as exc:  # a timeout, or a stream ended after a torn message
                 raise SandboxStartError(
-                    f"{what}: its side socket takes no message ({exc}); a sandbox that "
-                    "did not read it in time is forked no more (its steps go on)"
+                    f"{what}: its side socket took no message ({exc}): the sandbox did "
+                    "not read it in time (after a message cut short there, it never "
+                    "will: its steps go on, its forks are refused), or it is gone"
                 ) from exc
         finally:
             groups.close_fds()  # the source has its copies
