@@ -125,9 +125,15 @@ class LayerHelper:
         helper is broken."""
         return self._send({"op": "check", "layer_fd": layer_fd}, [pidfd])
 
-    def wrote_since(self, number: int) -> bool:
+    def wrote_since(self, number: int, wait: bool = True) -> bool:
         """The answer to :meth:`ask_wrote_since` ``number``: True unless the helper saw an
-        empty layer (or broke: the freeze asked next says why)."""
+        empty layer (or broke: the freeze asked next says why). ``wait=False``: True at
+        once where the answer has not come yet (it is forgotten)."""
+        if not wait:
+            with self._asking:
+                if number not in self._answers:
+                    self.forget(number)
+                    return True
         try:
             answer, fds = self._answer(number)
         except RuntimeError:

@@ -834,9 +834,10 @@ def test_a_clone_whose_own_tmp_cannot_be_made_fails_the_fork(monkeypatch):
 
 def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
     """The helper is asked as a fork begins (read-only, ~0.5 ms that overlap the
-    controller's preparation); a source that wrote nothing is not frozen, one that
-    wrote is, with what its check found (its mount table, what it holds); an answer a
-    failed fork never took is forgotten, and the next fork gets its own."""
+    controller's preparation, not waited for); a source that wrote nothing is not
+    frozen, one that wrote is, with what its check found (its mount table, what it
+    holds); an answer a failed fork never took is forgotten, and the next fork gets its
+    own."""
     from gym_fork.vector.lifecycle import Sandboxes
 
     envs = ForkVectorEnv([Workspace], lineage_log=False)
@@ -845,7 +846,11 @@ def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
         layers = envs.sandboxes.host.tmp_layers
         envs.fork("quiet").close()
         helper = layers.helper
-        assert helper is not None and helper.asked == {"check": 1}  # no freeze asked
+        assert helper is not None and helper.asked["check"] == 1
+        # The freeze is asked at once where the check's answer is not in yet (it follows
+        # the check in the helper, which then finds nothing to freeze): none is frozen.
+        quiet_freezes = helper.asked.get("freeze", 0)
+        assert quiet_freezes <= 1 and not helper.freeze_ms
         envs.call("write", "/tmp/ws/f.txt", "source\n")
         real = Sandboxes.open_slabs
 
@@ -858,10 +863,11 @@ def test_a_fork_asks_ahead_whether_there_is_anything_to_freeze():
                 envs.fork("failed")  # after the ask, before any freeze
         finally:
             Sandboxes.open_slabs = real
-        assert helper.asked == {"check": 2}
+        assert helper.asked.get("freeze", 0) == quiet_freezes and helper.asked["check"] == 2
         branch = envs.fork("written")
         try:
-            assert helper.asked == {"check": 3, "freeze": 1}
+            assert helper.asked == {"check": 3, "freeze": quiet_freezes + 1}  # no other
+            assert len(helper.freeze_ms) == 1  # frozen: what the source wrote
             assert helper.found_ahead == 1  # the freeze took what its check found
             assert branch.call("layers")[0] == 1
             assert branch.call("read", "/tmp/ws/f.txt")[0] == "source\n"
@@ -1364,6 +1370,9 @@ def test_a_source_whose_freeze_the_helper_did_not_answer_is_not_forked_again(mon
             if request.get("op") != "freeze":
                 return send(self, request, fds)
             monkeypatch.setattr(LayerHelper, "_send", send)
+            # The check asked ahead is answered first (a fork does not wait for it): the
+            # helper is on this freeze, not on the check, when it is killed.
+            assert wait_until(lambda: not self._unanswered, timeout=10)
             pid = self.watch.pid if self.watch is not None else self.process.pid
             os.kill(pid, signal.SIGSTOP)  # it takes the request, and does nothing more
             number = send(self, request, fds)
@@ -1382,6 +1391,51 @@ def test_a_source_whose_freeze_the_helper_did_not_answer_is_not_forked_again(mon
             assert other.call("layers")[0] == 0  # copied
         finally:
             other.close()
+    finally:
+        envs.close()
+
+
+def test_a_helper_that_ends_on_the_check_never_began_the_freeze_queued_behind_it(
+    monkeypatch,
+):
+    """A fork asks its freeze without waiting for the check asked ahead: a helper that
+    ends while still on the check never began the freeze (requests are taken in
+    order), so the source's /tmp is as it was: that fork goes on with clones that copy
+    its writes, and the source is forked again later (not taken for lost)."""
+    from gym_fork.system.layer_helper import LayerHelper
+
+    envs = ForkVectorEnv([Workspace], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.fork("first").close()  # the helper runs
+        envs.call("write", "/tmp/ws/g.txt", "y\n")
+        send = LayerHelper._send
+
+        def killed_on_the_check(self, request, fds):
+            pid = self.watch.pid if self.watch is not None else self.process.pid
+            if request.get("op") == "check":
+                os.kill(pid, signal.SIGSTOP)  # it takes the check, and does nothing more
+                return send(self, request, fds)
+            monkeypatch.setattr(LayerHelper, "_send", send)
+            number = send(self, request, fds)  # the freeze, queued behind the check
+            os.kill(pid, signal.SIGKILL)
+            return number
+
+        monkeypatch.setattr(LayerHelper, "_send", killed_on_the_check)
+        branch = envs.fork("cut")
+        try:
+            assert branch.call("read", "/tmp/ws/g.txt")[0] == "y\n"
+            assert branch.call("read", "/tmp/ws/f.txt")[0] == "x\n"
+        finally:
+            branch.close()
+        monkeypatch.undo()
+        envs.call("write", "/tmp/ws/h.txt", "z\n")
+        again = envs.fork("again")  # copies: the helper is gone, the source is not lost
+        try:
+            assert again.call("read", "/tmp/ws/h.txt")[0] == "z\n"
+        finally:
+            again.close()
     finally:
         envs.close()
 

@@ -1,5 +1,6 @@
 """The controller's end of the layer helper (gym_fork/system/layer_helper.py) under a
-Ctrl-C, a close from another thread, and a fork of the controller."""
+Ctrl-C, a close from another thread, a fork of the controller, and an answer a fork
+does not wait for."""
 
 from __future__ import annotations
 
@@ -152,3 +153,24 @@ def test_a_signal_held_by_a_request_is_handled_once_the_lock_is_free(helper, mon
         signal.signal(signal.SIGHUP, previous)
     assert owned == [False]
     started.wrote_since(number)
+
+
+def test_a_check_not_waited_for_is_forgotten_and_its_answer_dropped(helper):
+    """A fork does not wait for its check's answer (its freeze is asked at once, and
+    follows the check in the helper): ``wrote_since(wait=False)`` says "look" at once,
+    the late answer is dropped when it comes, and the answers after it are filed under
+    their own requests. An answer already there is taken."""
+    started, pidfd = helper
+    assert started.process is not None
+    os.kill(started.process.pid, signal.SIGSTOP)  # the check waits
+    number = started.ask_wrote_since(pidfd, 0)
+    began = time.monotonic()
+    assert started.wrote_since(number, wait=False) is True
+    assert time.monotonic() - began < 1.0
+    assert number in started._abandoned
+    os.kill(started.process.pid, signal.SIGCONT)
+    later = started.ask_wrote_since(pidfd, 0)
+    assert wait_until(lambda: later in started._answers, timeout=10)
+    assert not started._abandoned  # the late answer came first, and was dropped
+    started.wrote_since(later, wait=False)
+    assert later not in started._answers and not started.broken

@@ -146,11 +146,15 @@ class TmpLayers:
 
     def wrote(self, source: WorkerHandle) -> bool:
         """Whether ``source`` wrote anything to freeze since its last freeze: the answer
-        :meth:`check_soon` asked for (True without one: the freeze looks)."""
+        :meth:`check_soon` asked for where it has come (True without one: the freeze,
+        asked at once, looks). Not waited for: the helper answers in order, so a freeze
+        asked now follows the check there (which read ahead what it needs) without the
+        check's answer going to the controller and the freeze's request coming back
+        (~0.8 ms of a fork's critical path on 2 busy cores)."""
         checked, _watch = self.checks.pop(source.pid, (None, None))
         if checked is None or self.helper is None:
             return True
-        return self.helper.wrote_since(checked)
+        return self.helper.wrote_since(checked, wait=False)
 
     def freeze(self, source: WorkerHandle) -> tuple[int, int | None] | None:
         """Freeze the /tmp writes of ``source`` (:meth:`may_freeze` said so): (the fd of
