@@ -301,6 +301,13 @@ class Host(Protocol):
         (a host pid)."""
         ...
 
+    def measure_born(self, worker: WorkerHandle) -> None:
+        """The sandbox ``worker`` has done its set-up and has not said HELLO yet (a
+        fork's clones once :meth:`fork_many` returns): a host that measures a sandbox's
+        process from outside does it now, while the sandbox finishes, and the next
+        :meth:`isolation` of its pid takes that measure (once, while it lives)."""
+        ...
+
     def check_slab(self, nbytes: int) -> None:
         """Refuse (ValueError) a batch slab this host's sandboxes cannot map."""
         ...

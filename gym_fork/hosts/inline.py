@@ -142,6 +142,9 @@ class InlineHost(SharedByBranches):
         """A thread has no exit code."""
         return None
 
+    def measure_born(self, worker: WorkerHandle) -> None:
+        """Nothing to measure: sub-envs run in the controller."""
+
     def check_slab(self, nbytes: int) -> None:
         """Any slab fits."""
 

@@ -93,6 +93,9 @@ def clone_sandboxes(
             delay=0.5,
         ):
             branch.pool.workers = _fork_workers(sandboxes, branch, plan, shared_memory, meanwhile)
+            # The branch's isolation is measured from its first sandbox: done while the
+            # clones map their slabs and say HELLO.
+            host.measure_born(branch.pool.workers[0])
             branch.receive_hellos(branch.pool.workers)
         opened = Opened(
             branch,

@@ -419,6 +419,9 @@ class MicroVMHost(SharedByBranches):
             return None
         return machine.process.poll()
 
+    def measure_born(self, worker: WorkerHandle) -> None:
+        """Nothing from outside: a guest is measured inside (its HELLO report)."""
+
     def isolation(
         self, sandbox: dict[str, Any] | None = None, pid: int | None = None
     ) -> IsolationReport:

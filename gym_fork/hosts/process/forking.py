@@ -47,7 +47,9 @@ def fork_many(
     socket and its FORK request (SPAWN_BATCH clones per request) before any answer
     is awaited, so that the sources fork at once (gym_fork.hosts.batching.fork_overlapped:
     a source's reply and side-socket answer are matched in order); ``meanwhile`` runs
-    then."""
+    then. A source replies once every clone of its FORK has done its set-up (the
+    snapshot pipe of sandbox.py): the clones come back isolated as they will run, their
+    HELLO still to come (``measure_born``)."""
     limits = host.config.isolation.limits
     # A clone's cgroup fds come with its others: fewer clones per message then.
     per_clone = M.FDS_PER_SANDBOX + cgroups.fds_per_clone(limits.memory_bytes, limits.processes)

@@ -26,6 +26,7 @@ from gym_fork.hosts.base import (
     HostConfig,
     IsolationReport,
     SharedByBranches,
+    Watch,
     WorkerHandle,
     WorkerSpec,
 )
@@ -78,6 +79,8 @@ class ProcessHost(SharedByBranches):
         self._handle_ids = itertools.count()
         self.fork_ids = itertools.count(1)  # each FORK's, in its side-socket messages
         self._measure_cache: dict[int, Measured | None] = {}  # see _measured_once
+        # pid -> (a watch of that process, what was measured): see measure_born
+        self._born_measures: dict[int, tuple[Watch, Measured | None]] = {}
         self._leases = IdleLeases()  # idle sandboxes the warm parent leased to us
         self.tmp_layers = TmpLayers(config.isolation)  # frozen /tmp writes at a fork
         self._unreachable = False  # a send to it failed: the next health check replaces it
@@ -384,6 +387,10 @@ class ProcessHost(SharedByBranches):
 
     def check_slab(self, nbytes: int) -> None:
         """Any slab fits: it is a memfd of the size the vector env asks for."""
+
+    def measure_born(self, worker: WorkerHandle) -> None:
+        """Measure a clone whose set-up is done while it finishes (isolation_report.py)."""
+        isolation_report.measure_born(self, worker)
 
     def isolation(
         self, sandbox: dict[str, Any] | None = None, pid: int | None = None

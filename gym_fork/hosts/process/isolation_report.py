@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from gym_fork.hosts.base import IsolationReport
+from gym_fork.hosts.base import IsolationReport, WorkerHandle
 from gym_fork.system.measure import Measured, achieved, measure
 
 if TYPE_CHECKING:
@@ -29,7 +29,9 @@ def isolation(
     report = sandbox or {"tree": {}, "sandbox": {}, "limits": {}, "missing": {}}
     measured = None
     if pid is not None:
-        measured = measure(pid, frozenset(host.config.isolation.shared_writable()))
+        watch, measured = host._born_measures.pop(pid, (None, None))
+        if watch is None or not watch.alive():  # else the pid is still the one measured
+            measured = measure(pid, _writable(host))
     seen = achieved(
         report.get("tree") or host.tree_isolation.get("tree", {}),
         report.get("sandbox", {}),
@@ -48,6 +50,25 @@ def isolation(
         missing=seen.missing,
         details={"process": True, "address_space": "copy-on-write fork", **seen.details},
     )
+
+
+def measure_born(host: ProcessHost, worker: WorkerHandle) -> None:
+    """Measure ``worker``'s process now, for the next :func:`isolation` of its pid (taken
+    while that process lives: its pid cannot name another then): a fork's clone
+    whose source has replied (a source replies once every clone of its FORK has done its
+    set-up: its namespaces, /tmp, identity and confinement are final), while it maps its
+    slab and says HELLO (~1 ms of /proc reads the controller would make after the HELLO,
+    on a fork's critical path, made while it waits). Env code has not run in it yet: a
+    lie of its source's (a reply before the set-up) could only make it look less
+    isolated. A few at most are kept (those of forks that failed before their report)."""
+    born = host._born_measures
+    while len(born) >= 8:
+        del born[next(iter(born))]
+    born[worker.pid] = (worker.watch, measure(worker.pid, _writable(host)))
+
+
+def _writable(host: ProcessHost) -> frozenset[str]:
+    return frozenset(host.config.isolation.shared_writable())
 
 
 def _measured_once(host: ProcessHost, pid: int) -> Measured | None:
