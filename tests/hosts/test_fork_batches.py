@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import gymnasium as gym
 import pytest
 
 from gym_fork.hosts.base import ForkJob
@@ -182,5 +183,83 @@ def test_a_ctrl_c_while_a_fork_is_answered_kills_the_clones_the_source_made(monk
         envs.step(np.zeros(1, np.int64))  # answered once the source is done with its FORK
         assert wait_until(lambda: descendants() <= before, timeout=10), descendants() - before
         envs.fork("after").close()
+    finally:
+        envs.close()
+
+
+class NamesItsWarmParent(gym.Wrapper):
+    """A CartPole whose sandbox, once told, answers a FORK's ClonesForked naming its
+    parent (the warm parent, by pidfd) instead of its clones: env code rules its
+    process, and the controller kills what a given-up fork's answer names."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def name_the_parent(self) -> int:
+        import os
+
+        from gym_fork.hosts.process import messages
+
+        real = messages.send_with_pidfds
+        parent = os.getppid()
+
+        def lying(sock, message, pids, fds):
+            if isinstance(message, messages.ClonesForked):
+                fd = os.pidfd_open(parent)
+                try:
+                    lie = messages.ClonesForked([parent], fork_id=message.fork_id)
+                    return real(sock, lie, [parent], [fd])
+                finally:
+                    os.close(fd)
+            return real(sock, message, pids, fds)
+
+        messages.send_with_pidfds = lying
+        return parent
+
+
+def test_a_given_up_forks_clones_named_by_a_hostile_source_spare_its_warm_parent(monkeypatch):
+    """The Ctrl-C comes while the controller waits for the FORK's answer; the source's
+    ClonesForked then names the warm parent: nothing but new sandboxes of the tree is
+    killed (a SIGKILL to the warm parent would take every sandbox down with it). Its
+    next fork, not given up, is refused by adoption; the source steps on."""
+    import numpy as np
+
+    from gym_fork import ForkVectorEnv
+    from gym_fork.errors import SandboxStartError
+    from tests.helpers import wait_until
+
+    envs = ForkVectorEnv([NamesItsWarmParent], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.fork("warm").close()
+        envs.call("name_the_parent")
+        pool_class = type(envs.sandboxes.pool)
+        ask_later = pool_class.ask_later
+
+        def interrupted_ask(self, worker, op, arg, timeout):
+            result = ask_later(self, worker, op, arg, timeout)
+            cut = []
+
+            def cut_short():
+                if not cut:  # the first wait: cut short before the answer is read
+                    cut.append(1)
+                    raise KeyboardInterrupt
+                return result()
+
+            return cut_short
+
+        monkeypatch.setattr(pool_class, "ask_later", interrupted_ask)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("interrupted")
+        monkeypatch.undo()
+        host = envs.sandboxes.host
+        # A killed pid 1 of the tree's pid namespace takes a moment to be seen gone.
+        assert not wait_until(lambda: not host.alive(), timeout=1.0)
+        obs, *_ = envs.step(np.zeros(1, np.int64))  # the source serves on
+        assert obs.shape == (1, 4)
+        with pytest.raises(SandboxStartError, match="pidfds do not match"):
+            envs.fork("after")  # it lies on: refused, and its warm parent lives on
+        assert not wait_until(lambda: not host.alive(), timeout=1.0)
+        envs.step(np.zeros(1, np.int64))
     finally:
         envs.close()
