@@ -42,8 +42,10 @@ class Finishing(NamedTuple):
     let_go: Callable[[], None]  # never waited for: its clones' ends closed
 
 
-# ``start(job, orders, slab_fds)``: ask the job's source for the clones of ``orders`` now.
-StartFork = Callable[[ForkJob, list[CloneOrder], list[int]], Finishing]
+# ``start(job, orders, slab_fds, keep)``: ask the job's source for the clones of ``orders``
+# now, and hand its Finishing to ``keep`` (signals held) once asked: from then on the
+# caller takes its answer, whatever comes; before, ``start`` gives the fork up itself.
+StartFork = Callable[[ForkJob, list[CloneOrder], list[int], Callable[[Finishing], None]], None]
 
 
 def fork_overlapped(
@@ -66,8 +68,13 @@ def fork_overlapped(
             first = batches[k][0]
             job, last = jobs[k], first + batch
             # Not held: a start given up midway waits for its source's answer, which
-            # a Ctrl-C must be able to cut short.
-            pending.append((k, start(job, job.orders[first:last], job.slab_fds[first:last])))
+            # a Ctrl-C must be able to cut short. Kept as soon as it is asked.
+            start(
+                job,
+                job.orders[first:last],
+                job.slab_fds[first:last],
+                lambda finishing: pending.append((k, finishing)),
+            )
             batches[k].pop(0)
 
     try:

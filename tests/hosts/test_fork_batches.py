@@ -35,14 +35,14 @@ def job(source: str, clones: int) -> ForkJob:
 def test_every_source_is_asked_before_any_answer_is_awaited():
     events = []
 
-    def start(job, orders, slab_fds):
+    def start(job, orders, slab_fds, keep):
         events.append(f"ask {job.source} {orders}")
 
         def wait():
             events.append(f"answer {job.source} {orders}")
             return orders
 
-        return Finishing(wait, lambda answer: [Clone(f"{job.source}{o}") for o in answer], list)
+        keep(Finishing(wait, lambda answer: [Clone(f"{job.source}{o}") for o in answer], list))
 
     made = fork_overlapped([job("a", 3), job("b", 1)], 2, start)
     assert [[c.name for c in clones] for clones in made] == [["a0", "a1", "a2"], ["b0"]]
@@ -59,7 +59,7 @@ def test_every_source_is_asked_before_any_answer_is_awaited():
 def test_a_failure_takes_every_answer_asked_for_and_releases_every_clone():
     made = []
 
-    def start(job, orders, slab_fds):
+    def start(job, orders, slab_fds, keep):
         def wait():
             if job.source == "a":
                 raise OSError("a failed")
@@ -70,7 +70,7 @@ def test_a_failure_takes_every_answer_asked_for_and_releases_every_clone():
             made.extend(clones)
             return clones
 
-        return Finishing(wait, adopt, list)
+        keep(Finishing(wait, adopt, list))
 
     with pytest.raises(OSError, match="a failed"):
         fork_overlapped([job("a", 1), job("b", 2)], 1, start)
@@ -83,7 +83,7 @@ def test_a_ctrl_c_while_clones_are_adopted_comes_once_they_are_kept_then_release
     waits until they are kept, and they are released (else no handle would hold them)."""
     made = []
 
-    def start(job, orders, slab_fds):
+    def start(job, orders, slab_fds, keep):
         def adopt(answer):
             ctrl_c()
             sum(range(1000))  # the KeyboardInterrupt would have come by now, unheld
@@ -91,7 +91,7 @@ def test_a_ctrl_c_while_clones_are_adopted_comes_once_they_are_kept_then_release
             made.extend(clones)
             return clones
 
-        return Finishing(lambda: orders, adopt, list)
+        keep(Finishing(lambda: orders, adopt, list))
 
     with pytest.raises(KeyboardInterrupt):
         fork_overlapped([job("a", 2)], 1, start)
@@ -112,13 +112,13 @@ def test_a_ctrl_c_right_after_an_answer_still_has_its_clones_adopted_and_release
             fired.append(True)
             ctrl_c()  # handled in the caller, past the return
 
-    def start(job, orders, slab_fds):
+    def start(job, orders, slab_fds, keep):
         def adopt(answer):
             clones = [Clone(f"{job.source}{o}") for o in answer]
             made.extend(clones)
             return clones
 
-        return Finishing(lambda: wait_for(orders), adopt, list)
+        keep(Finishing(lambda: wait_for(orders), adopt, list))
 
     sys.setprofile(ctrl_c_as_wait_returns)
     try:
@@ -180,6 +180,43 @@ def test_a_ctrl_c_while_a_fork_is_answered_kills_the_clones_the_source_made(monk
         with pytest.raises(KeyboardInterrupt):
             envs.fork("interrupted")
         monkeypatch.undo()
+        envs.step(np.zeros(1, np.int64))  # answered once the source is done with its FORK
+        assert wait_until(lambda: descendants() <= before, timeout=10), descendants() - before
+        envs.fork("after").close()
+    finally:
+        envs.close()
+
+
+def test_a_ctrl_c_as_a_fork_is_kept_leaves_it_to_the_caller_to_finish(ctrl_c, monkeypatch):
+    """The Ctrl-C lands as the source's FORK is handed to fork_overlapped (held until it
+    is kept there): the caller takes the answer and releases the clones; nothing gives
+    the fork up twice (a second wait for the answer would hang), no clone outlives it,
+    and the source forks again (no stale answer waits for its next request). Before,
+    a Ctrl-C between the start's return and its record lost the fork: its clones lived
+    on, and the source's answer stayed unread."""
+    import numpy as np
+
+    from gym_fork import ForkVectorEnv
+    from gym_fork.hosts.process import forking
+    from tests.helpers import descendants, wait_until
+
+    envs = ForkVectorEnv([lambda: gym.make("CartPole-v1")], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.fork("warm").close()
+        before = descendants()
+        made = []
+
+        def finishing_then_ctrl_c(*args):
+            made.append(Finishing(*args))
+            ctrl_c()
+            return made[-1]
+
+        monkeypatch.setattr(forking, "Finishing", finishing_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            envs.fork("interrupted")
+        monkeypatch.undo()
+        assert made
         envs.step(np.zeros(1, np.int64))  # answered once the source is done with its FORK
         assert wait_until(lambda: descendants() <= before, timeout=10), descendants() - before
         envs.fork("after").close()

@@ -56,7 +56,9 @@ def fork_many(
     made = fork_overlapped(
         jobs,
         min(SPAWN_BATCH, MAX_FDS // per_clone),
-        lambda job, orders, fds: _start_fork(host, job, orders, fds, num_envs, ring_capacity),
+        lambda job, orders, fds, keep: _start_fork(
+            host, job, orders, fds, num_envs, ring_capacity, keep
+        ),
         meanwhile,
     )
     return made  # registered with the host as each was adopted
@@ -69,32 +71,100 @@ def _start_fork(
     slab_fds: list[int],
     num_envs: int,
     ring_capacity: int,
-) -> Finishing:
-    """Send one source its clones' fds and FORK request; returns what waits for the
-    answer and what adopts the clones."""
+    keep: Callable[[Finishing], None],
+) -> None:
+    """Send one source its clones' fds and FORK request; ``keep`` gets (signals held) what
+    waits for the answer and what adopts the clones, and from then on the caller takes
+    the answer whatever comes (a Ctrl-C included); before, this gives the fork up."""
     source = job.source
-    with held():  # made is kept: the except below lets go of them
-        ends = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
-        try:
-            groups = _clone_groups(host, len(orders))
-        except BaseException:
-            for end in ends:
-                end.handed_over()
-                end.abort()
-            raise
-    fds = []
-    for end, slab_fd, own in zip(ends, slab_fds, groups.fds, strict=True):
-        fds += [slab_fd, *end.fds(), *own]
-    clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
     link: SandboxLink = source.host_data
     what = f"fork of {source.name}"
-    fork_id = next(host.fork_ids)  # in the FORK and each side-socket message of it
     layers = host.tmp_layers
+    ends: list[SandboxEnds] = []
+    groups: cgroups.CloneGroups | None = None
+    fork_id = -1
     frozen: tuple[int, int | None] | None = None
     waiting: Callable[[], Any] | None = None
     layer_said = False  # the source knows whether a layer comes (it waits for one else)
     sealing = False  # _seal_when_adopted begun: the source is told, whatever comes
+    kept = False  # the caller has the Finishing: its answer is the caller's to take
+    taken: list[list[int]] = []  # the answer, once taken: wait() again returns it
+    ended: list[bool] = []  # wait() failed, or the fork was let go of: nothing to adopt
+
+    def wait() -> list[int]:
+        """The source's answer: its clones' pids (interruptible: a Ctrl-C lets go of
+        the clones' ends, and kills the clones the source makes all the same). Asked
+        again, the same answer (or, after a failure, RuntimeError at once)."""
+        assert waiting is not None  # asked before the caller could keep this
+        if taken:
+            return taken[0]
+        if ended:
+            raise RuntimeError(f"{what}: given up")
+        try:
+            pids = waiting()
+            if isinstance(pids, dict):  # refused: it would share memory with its clones
+                raise _shared_memory_refused(source, pids)
+            taken.append(pids)
+        except BaseException as exc:
+            try:
+                if isinstance(exc, KeyboardInterrupt) and source.awaiting:
+                    # Cut short before the answer: the source forks on, and its clones
+                    # are killed once it says which (a second Ctrl-C: left to the tree).
+                    _kill_clones_of_given_up(host, link, fork_id, what, waiting)
+            finally:
+                let_go()
+            raise
+        return pids
+
+    def let_go() -> None:
+        if not ended and groups is not None:
+            ended.append(True)
+            _let_go(ends, groups)
+
+    def adopt(pids: list[int]) -> list[WorkerHandle]:
+        """The clones exist: their handles (the caller holds signals until it keeps
+        them: bounded, ClonesForked's deadline)."""
+        assert groups is not None  # made before the caller could keep this
+
+        def exchange() -> list[ProcessWatch]:
+            # The worker sent a pidfd of each clone on its side socket before replying.
+            reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
+            if reply.pids != list(pids):
+                M.close_fds(pidfds)
+                raise SandboxStartError(f"{what}: pidfds do not match")
+            return host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+
+        try:
+            watches = hand_over(ends, exchange)
+        except BaseException:
+            # Clones killed and not yet gone keep theirs until the tree's are removed.
+            cgroups.remove_groups([p for paths in groups.paths for p in paths])
+            raise
+        handles = [
+            end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)
+        ]
+        for handle, paths in zip(handles, groups.paths, strict=True):
+            if paths:  # removed when the handle is released, i.e. once it is seen gone
+                link_of = handle.host_data
+                handle.host_data = _CloneLink(link_of.sock, link_of.local_pid, paths)
+        return host._register(handles)  # the tree's, from here on (weakly: released ones go)
+
     try:
+        with held():  # made is kept: the except below lets go of them
+            made = [SandboxEnds(order.spec, ring_capacity, host._collector()) for order in orders]
+            try:
+                groups = _clone_groups(host, len(orders))
+            except BaseException:
+                for end in made:
+                    end.handed_over()
+                    end.abort()
+                raise
+            ends = made
+        fds = []
+        for end, slab_fd, own in zip(ends, slab_fds, groups.fds, strict=True):
+            fds += [slab_fd, *end.fds(), *own]
+        clones = [[o.source_index, o.branch_index, o.seed, o.spec.name] for o in orders]
+        fork_id = next(host.fork_ids)  # in the FORK and each side-socket message of it
         try:
             freezing = layers.may_freeze(source, host.tree_isolation)
             layer_said = not freezing
@@ -133,7 +203,12 @@ def _start_fork(
         if frozen is not None and frozen[1] is not None:
             sealing = True
             _seal_when_adopted(host, source, link, frozen[1], fork_id, what)
+        with held():  # from here the caller takes the answer, whatever comes
+            keep(Finishing(wait, adopt, let_go))
+            kept = True
     except BaseException:
+        if kept:  # a Ctrl-C held until the caller had it: the caller's to finish
+            raise
         try:
             if waiting is not None:
                 # A freeze the helper made reaches its source even now (a Ctrl-C too),
@@ -142,70 +217,9 @@ def _start_fork(
                 unsealed = None if sealing or not layer_said or frozen is None else frozen[1]
                 _give_up(host, source, link, waiting, due, unsealed, fork_id, what)
         finally:  # a second Ctrl-C too
-            _let_go(ends, groups)
+            if groups is not None:
+                _let_go(ends, groups)
         raise
-
-    taken: list[list[int]] = []  # the answer, once taken: wait() again returns it
-    ended: list[bool] = []  # wait() failed, or the fork was let go of: nothing to adopt
-
-    def wait() -> list[int]:
-        """The source's answer: its clones' pids (interruptible: a Ctrl-C lets go of
-        the clones' ends, and kills the clones the source makes all the same). Asked
-        again, the same answer (or, after a failure, RuntimeError at once)."""
-        assert waiting is not None  # asked above
-        if taken:
-            return taken[0]
-        if ended:
-            raise RuntimeError(f"{what}: given up")
-        try:
-            pids = waiting()
-            if isinstance(pids, dict):  # refused: it would share memory with its clones
-                raise _shared_memory_refused(source, pids)
-            taken.append(pids)
-        except BaseException as exc:
-            try:
-                if isinstance(exc, KeyboardInterrupt) and source.awaiting:
-                    # Cut short before the answer: the source forks on, and its clones
-                    # are killed once it says which (a second Ctrl-C: left to the tree).
-                    _kill_clones_of_given_up(host, link, fork_id, what, waiting)
-            finally:
-                let_go()
-            raise
-        return pids
-
-    def let_go() -> None:
-        if not ended:
-            ended.append(True)
-            _let_go(ends, groups)
-
-    def adopt(pids: list[int]) -> list[WorkerHandle]:
-        """The clones exist: their handles (the caller holds signals until it keeps
-        them: bounded, ClonesForked's deadline)."""
-
-        def exchange() -> list[ProcessWatch]:
-            # The worker sent a pidfd of each clone on its side socket before replying.
-            reply, pidfds = M.receive_for(link.sock, fork_id, M.ClonesForked, 5.0, what)
-            if reply.pids != list(pids):
-                M.close_fds(pidfds)
-                raise SandboxStartError(f"{what}: pidfds do not match")
-            return host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
-
-        try:
-            watches = hand_over(ends, exchange)
-        except BaseException:
-            # Clones killed and not yet gone keep theirs until the tree's are removed.
-            cgroups.remove_groups([p for paths in groups.paths for p in paths])
-            raise
-        handles = [
-            end.handle(pid, watch) for end, pid, watch in zip(ends, pids, watches, strict=True)
-        ]
-        for handle, paths in zip(handles, groups.paths, strict=True):
-            if paths:  # removed when the handle is released, i.e. once it is seen gone
-                link_of = handle.host_data
-                handle.host_data = _CloneLink(link_of.sock, link_of.local_pid, paths)
-        return host._register(handles)  # the tree's, from here on (weakly: released ones go)
-
-    return Finishing(wait, adopt, let_go)
 
 
 def _let_go(ends: list[SandboxEnds], groups: cgroups.CloneGroups) -> None:
