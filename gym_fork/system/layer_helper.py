@@ -42,8 +42,10 @@ LONGEST_WAIT_S = 6 * ANSWER_TIMEOUT_S  # one caller's wait, behind others' reque
 
 class LayerLost(RuntimeError):
     """The helper may have frozen a source's /tmp, and its new layer did not come back:
-    it ended while that freeze was the request it was on, or its answer came without
-    the layer. The source's /tmp then stands on a layer no one holds."""
+    it ended while that freeze may have been the request it was on (any freeze not
+    answered yet, where the controller ended it: an answer sent may not have been read
+    then), or its answer came without the layer. The source's /tmp then stands on a
+    layer no one holds."""
 
 
 class LayerHelper:
@@ -102,7 +104,11 @@ class LayerHelper:
         self._answers: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self._abandoned: set[int] = set()  # their answers are dropped when read
         self.broken = ""  # why no freeze is asked any more
-        self.broke_on: int | None = None  # the request it was on when it ended
+        # The requests it may have begun when it ended: the one it was on where it ended
+        # by itself (every answer it sent was read: EOF), else every one unanswered (an
+        # answer it sent may not have been read yet when the controller ended it).
+        self.maybe_begun: frozenset[int] = frozenset()
+        self._read_to_end = False  # the answers' thread read up to the helper's EOF
         self.freeze_ms: list[float] = []  # the helper's time of each freeze (the source waits)
         self.asked: dict[str, int] = {}  # requests sent, by op
         self.found_ahead = 0  # freezes that took what their check found (mount table, ...)
@@ -168,7 +174,7 @@ class LayerHelper:
         try:
             answer, fds = self._answer(number)
         except RuntimeError as exc:
-            if self.broke_on == number:  # it ended on this very freeze
+            if number in self.maybe_begun:  # it may have ended on this very freeze
                 raise LayerLost(f"the layer helper ended during its freeze ({exc})") from exc
             raise  # it ended on an earlier request: this freeze never began
         if not answer.get("frozen"):
@@ -306,10 +312,15 @@ class LayerHelper:
                 if self._stop:
                     return ""
                 continue  # nothing asked, or a freeze still at work: its asker's deadline
+            except ConnectionResetError:
+                # It ended with requests unread: the kernel says so first, then hands
+                # over what it sent (a freeze's layer included), then EOF.
+                continue
             except OSError as exc:
                 data, why = b"", f"the layer helper did not answer ({exc})"
             else:
                 why = "the layer helper ended"
+                self._read_to_end = not data  # EOF: each answer it sent was filed
             with self._asking:
                 if self._stop:
                     for fd in got:
@@ -348,10 +359,11 @@ class LayerHelper:
         raise RuntimeError(why) from cause
 
     def _stop_asking(self, why: str) -> None:
-        """With the lock held: no request is asked any more (``why``), the one it was
-        on remembered; the helper is ended and every waiter woken."""
+        """With the lock held: no request is asked any more (``why``), those it may have
+        begun remembered (``maybe_begun``); the helper is ended and every waiter woken."""
         self.broken = why
-        self.broke_on = self._unanswered[0] if self._unanswered else None
+        unanswered = list(self._unanswered)
+        self.maybe_begun = frozenset(unanswered[:1] if self._read_to_end else unanswered)
         self._unanswered.clear()
         self._end()
         self._filed.notify_all()

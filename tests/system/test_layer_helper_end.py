@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -174,3 +175,67 @@ def test_a_check_not_waited_for_is_forgotten_and_its_answer_dropped(helper):
     assert not started._abandoned  # the late answer came first, and was dropped
     started.wrote_since(later, wait=False)
     assert later not in started._answers and not started.broken
+
+
+def test_a_helper_the_controller_ends_may_have_begun_any_request_not_answered(helper):
+    """Ended by the controller (a deadline, a close), the helper may have sent answers
+    the answers' thread has not filed yet: any request still unanswered may have been
+    begun (a freeze among them is LayerLost: its source is not forked again), not
+    only the oldest (a freeze queued behind a check, taken for never begun, left its
+    source on a layer no one held; a cold review's reproduction)."""
+    started, pidfd = helper
+    assert started.process is not None
+    os.kill(started.process.pid, signal.SIGSTOP)
+    numbers = [started.ask_wrote_since(pidfd, 0) for _ in range(2)]
+    started.close()
+    assert started.maybe_begun == frozenset(numbers)
+
+
+def test_a_helper_that_ends_by_itself_was_on_its_oldest_unanswered_request(helper):
+    """Its EOF comes after every answer it sent: the oldest unanswered request is the
+    one it was on, and the requests behind it were never begun."""
+    started, pidfd = helper
+    assert started.process is not None
+    os.kill(started.process.pid, signal.SIGSTOP)
+    numbers = [started.ask_wrote_since(pidfd, 0) for _ in range(2)]
+    os.kill(started.process.pid, signal.SIGKILL)
+    assert wait_until(lambda: started.broken, timeout=10)
+    assert started.maybe_begun == frozenset(numbers[:1])
+
+
+def test_the_answers_a_helper_sent_before_it_ended_with_requests_unread_are_filed(
+    monkeypatch,
+):
+    """A helper that ends with requests unread makes the kernel report ECONNRESET to the
+    reader first, before what the helper had sent: the reader reads on, so an answer it
+    sent (a freeze's new layer) is filed, and only the request it never answered counts
+    as maybe begun. The test plays the helper on its end of the socket."""
+    from gym_fork.system.linux import ProcessWatch
+
+    reader_may_read = threading.Event()
+    recv_fds = socket.recv_fds
+
+    def held_back(sock, *args):
+        reader_may_read.wait(10)
+        return recv_fds(sock, *args)
+
+    monkeypatch.setattr(socket, "recv_fds", held_back)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stand_in = subprocess.Popen(["sleep", "30"])
+    started = layer_helper.LayerHelper(1 << 20, (ours, ProcessWatch(stand_in.pid)))
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        answered, unread = (started.ask_wrote_since(pidfd, 0) for _ in range(2))
+        assert b'"check"' in theirs.recv(4096)  # the first request; the second stays unread
+        socket.send_fds(theirs, [b'{"writes": false}'], [])
+        theirs.close()  # requests unread: the reader's next recv says ECONNRESET first
+        stand_in.kill()
+        reader_may_read.set()
+        assert wait_until(lambda: started.broken, timeout=10)
+        assert started.wrote_since(answered) is False  # filed: not lost to the reset
+        assert started.maybe_begun == frozenset([unread])
+    finally:
+        reader_may_read.set()
+        os.close(pidfd)
+        started.close()
+        stand_in.wait()
