@@ -31,11 +31,32 @@ def envs():
         env.close()
 
 
-def test_the_isolation_a_fork_records_is_its_clone_as_it_runs(envs):
-    """Measured before the HELLO, it is what the kernel says of the clone afterwards."""
+def test_the_isolation_a_fork_records_is_its_clone_as_it_runs(envs, monkeypatch):
+    """Measured before the HELLO is awaited, it is what the kernel says of the clone
+    afterwards."""
+    from gym_fork.hosts.process import isolation_report
+    from gym_fork.vector.lifecycle import Sandboxes
+
+    order: list[tuple[str, int]] = []
+    real_measure, receive_hellos = isolation_report.measure, Sandboxes.receive_hellos
+
+    def measure_seen(pid, *args):
+        order.append(("measure", pid))
+        return real_measure(pid, *args)
+
+    def receive_hellos_seen(self, workers, *args, **kwargs):
+        order.append(("hellos", workers[0].pid))
+        return receive_hellos(self, workers, *args, **kwargs)
+
+    monkeypatch.setattr(isolation_report, "measure", measure_seen)
+    monkeypatch.setattr(Sandboxes, "receive_hellos", receive_hellos_seen)
     for copies in (1, 3):
+        order.clear()
         branch = envs.fork(f"b{copies}", indices=[0], copies=copies)
         try:
+            first = branch.worker_pids[0]
+            assert order.index(("measure", first)) < order.index(("hellos", first))
+            assert order.count(("measure", first)) == 1  # not again for its record
             recorded = branch.lineage.record.isolation
             assert recorded["namespaces"]["mount"] and recorded["private_tmp"]
             assert recorded == branch.isolation  # measured again, from /proc, now

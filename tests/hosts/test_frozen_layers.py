@@ -1423,7 +1423,9 @@ def test_a_helper_that_ends_on_the_check_never_began_the_freeze_queued_behind_it
             return number
 
         monkeypatch.setattr(LayerHelper, "_send", killed_on_the_check)
-        branch = envs.fork("cut")
+        began = time.monotonic()
+        branch = envs.fork("cut")  # not after the check's deadline (10 s): not waited for
+        assert time.monotonic() - began < 5
         try:
             assert branch.call("read", "/tmp/ws/g.txt")[0] == "y\n"
             assert branch.call("read", "/tmp/ws/f.txt")[0] == "x\n"

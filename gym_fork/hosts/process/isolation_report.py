@@ -5,6 +5,7 @@ the kernel says it achieved (gym_fork/system/measure.py), for ``ProcessHost.isol
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,12 +59,15 @@ def measure_born(host: ProcessHost, worker: WorkerHandle) -> None:
     whose source has replied (a source replies once every clone of its FORK has done its
     set-up: its namespaces, /tmp, identity and confinement are final), while it maps its
     slab and says HELLO (~1 ms of /proc reads the controller would make after the HELLO,
-    on a fork's critical path, made while it waits). Env code has not run in it yet: a
-    lie of its source's (a reply before the set-up) could only make it look less
-    isolated. A few at most are kept (those of forks that failed before their report)."""
+    on a fork's critical path, made while it waits). Env code may run in it meanwhile
+    (a reseed), as it did before the measure of old; a process can only add to its
+    isolation, and a lie of its source's (a reply before the set-up) could only make it
+    look less isolated. A few at most are kept (those of forks that failed before their
+    report); two threads forking on one host may evict at once."""
     born = host._born_measures
     while len(born) >= 8:
-        del born[next(iter(born))]
+        with contextlib.suppress(StopIteration, RuntimeError):  # emptied, or changed
+            born.pop(next(iter(born)), None)
     born[worker.pid] = (worker.watch, measure(worker.pid, _writable(host)))
 
 
