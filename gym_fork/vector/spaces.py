@@ -100,11 +100,11 @@ class VectorSpaces:
         elif same_size:
             batched = _batched_again(self.observation_space, self.single_observation_space, n)
         else:
-            batched = batch_space(self.single_observation_space, n)
+            batched = _batch(self.single_observation_space, n)
         actions = (
             _batched_again(self.action_space, self.single_action_space, n)
             if same_size
-            else batch_space(self.single_action_space, n)
+            else _batch(self.single_action_space, n)
         )
         return VectorSpaces(
             self.single_observation_space,
@@ -127,12 +127,28 @@ def _batched_again(batched: Space, single: Space, n: int) -> Space:
     that is exact: building a batched Box of image observations costs ~11 ms per fork of
     a tree search, the copy under 1 (tests/vector/test_spaces.py)."""
     if type(single) not in _COPIED_BATCHES:
-        return batch_space(single, n)
+        return _batch(single, n)
     # Its generator is replaced below: not copied first (a generator's deepcopy goes
     # through pickling, ~40 us).
     copied = copy.deepcopy(batched, {id(batched._np_random): None})
     copied._np_random = _copy_generator(single.np_random)  # as batch_space seeds it
     return copied
+
+
+def _batch(single: Space, n: int) -> Space:
+    """``batch_space(single, n)``; for a Text space (an agent's observations and actions)
+    the same space made without the deep copies its reseeding throws away: each of the
+    n copies' generator went through pickling (~40 us) to be replaced, and its character
+    tables (never changed after construction) were copied too, 20 ms of each 64-branch
+    fork of a Text env (tests/vector/test_spaces.py: equal, and the same samples)."""
+    if type(single) is not spaces.Text:
+        return batch_space(single, n)
+    generator = single.np_random  # made now where it was not yet, as batch_space does
+    copies = tuple(copy.copy(single) for _ in range(n))  # each gets its own generator below
+    batched = spaces.Tuple(copies, seed=_copy_generator(generator))
+    seeds = _copy_generator(generator).integers(0, int(1e8), n)
+    batched.seed([int(seed) for seed in seeds])  # each copy's own generator, from its seed
+    return batched
 
 
 # Bit generators a copy is made of by setting a fresh one's state (its seeding from the

@@ -39,7 +39,10 @@ def test_a_branch_of_as_many_sub_envs_gets_equal_spaces_with_their_own_generator
     assert np.array_equal(source.action_space.sample(), expected)
 
 
-@pytest.mark.parametrize("single", [spaces.Discrete(5), spaces.Dict({"a": spaces.Discrete(3)})])
+@pytest.mark.parametrize(
+    "single",
+    [spaces.Discrete(5), spaces.Dict({"a": spaces.Discrete(3)}), spaces.Text(12, min_length=1)],
+)
 def test_a_branchs_spaces_sample_as_batch_space_would_make_them(single):
     """batch_space seeds the batch with a copy of the single space's generator: a branch
     of a seeded single space samples the same, whatever its size."""
@@ -53,6 +56,29 @@ def test_a_branchs_spaces_sample_as_batch_space_would_make_them(single):
         branch = source.for_branch("same", sources)
         got = branch.action_space.sample()
         assert str(got) == str(expected), (sources, got, expected)
+        assert branch.action_space == batch_space(single, len(sources))
+
+
+def test_a_text_branchs_copies_draw_on_their_own_and_leave_the_single_space_as_it_was():
+    """A Text batch is made without batch_space's deep copies (gym_fork/vector/spaces.py
+    ``_batch``): each copy has a generator of its own, seeded as batch_space seeds it,
+    and the single space's generator is not drawn from."""
+    single = spaces.Text(8, charset="abc")
+    source = VectorSpaces(
+        single, batch_space(single, 2), single, batch_space(single, 2), [single] * 2, "same"
+    )
+    single.seed(3)
+    state = single.np_random.bit_generator.state
+    branch = source.for_branch("same", [0, 0, 1, 1])
+    assert single.np_random.bit_generator.state == state
+    generators = {id(sub.np_random) for sub in branch.observation_space.spaces}
+    assert len(generators) == 4 and id(single.np_random) not in generators
+    first, second = branch.observation_space.spaces[:2]
+    first.seed(0)
+    alone = [first.sample() for _ in range(3)]
+    first.seed(0)
+    second.sample()  # drawn from another copy: no effect on the first
+    assert [first.sample() for _ in range(3)] == alone
 
 
 def test_a_branch_of_another_size_gets_spaces_batched_for_its_size():
