@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from gym_fork.transport import text_codes
+
 ALIGN = 64
 
 
@@ -104,16 +106,14 @@ class _TextLeaf:
         if not isinstance(value, str) or len(value) > self.space.max_length:
             raise ValueError(f"expected a str of at most {self.space.max_length} characters")
         pad = len(self.space.character_list)
-        codes = [self.space.character_index(c) for c in value]
+        codes = text_codes.encode(self.space, value)
         assert self.array is not None  # bound
         self.array[index, : len(codes)] = codes
         self.array[index, len(codes) :] = pad
 
     def read(self, index: int) -> str:
-        chars = self.space.character_list
-        pad = len(self.space.character_list)
         assert self.array is not None  # bound
-        return "".join(chars[c] for c in self.array[index] if c < pad)
+        return text_codes.decode(self.space, self.array[index])
 
     def batch(self) -> tuple[str, ...]:
         return tuple(self.read(i) for i in range(self.n))
