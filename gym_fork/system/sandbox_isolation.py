@@ -304,6 +304,16 @@ def before_forking_clones(
     return sorted(set(shared + stuck))
 
 
+def writes_tmp_files() -> bool:
+    """After :func:`before_forking_clones`: whether this sandbox holds a file of its /tmp
+    open for writing (its clones would inherit it: a frozen layer's seal waits for every
+    writer to go)."""
+    return any(
+        path.startswith("/tmp/") and snapshot.opened_for_writing(fd)
+        for fd, path in _CLONE_INHERITS[0]
+    )
+
+
 def new_scratch_dir(prefix: str) -> str:
     """A new directory ``prefix`` + random suffix in the scratch base, mode 0700 (what
     tempfile.mkdtemp makes, without building a random generator in every new sandbox)."""

@@ -228,6 +228,15 @@ def reopen_copied_files(files: list) -> tuple[int, list[str]]:
     return reopened, stuck
 
 
+def opened_for_writing(fd: int) -> bool:
+    """Whether this process's ``fd`` was opened for writing (True where it cannot tell)."""
+    try:
+        flags, _position = _fd_flags_and_position(fd)
+    except (OSError, ValueError):
+        return True
+    return flags & os.O_ACCMODE != os.O_RDONLY
+
+
 def _fd_flags_and_position(fd: int) -> tuple[int, int]:
     flags = position = 0
     with open(f"/proc/self/fdinfo/{fd}") as info:

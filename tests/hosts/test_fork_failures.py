@@ -160,3 +160,46 @@ def test_a_source_whose_side_socket_takes_nothing_is_refused_by_name():
         envs.step(np.zeros(1, np.int64))
     finally:
         envs.close()
+
+
+def test_a_source_whose_fork_fails_before_it_took_its_new_layer_takes_it_all_the_same():
+    """Its clones would be forked before it takes its /tmp's new layer (the freeze,
+    made meanwhile): where the fork fails first (here refused, before any clone: it
+    maps memory shared), it takes the layer all the same (its /tmp stands on it), so
+    what it writes next is frozen for its next branch (not copied: a layer taken late,
+    at its next fork, comes after that fork's check)."""
+    import warnings
+
+    from gym_fork.gpu.cuda import ForkUnsafeError
+    from tests.helpers import why_no_frozen_layers
+    from tests.hosts.test_frozen_layers import Workspace
+
+    why = why_no_frozen_layers()
+    if why:
+        pytest.skip(f"no frozen layers here: {why}")
+
+    class SharesMemory(Workspace):
+        def share(self):
+            import mmap
+
+            self._shared = mmap.mmap(-1, 4096)
+
+    env = ForkVectorEnv([SharesMemory], lineage_log=False)
+    try:
+        env.reset(seed=0)
+        env.call("share")
+        env.call("write", "/tmp/ws/f.txt", "before\n")
+        with pytest.raises(ForkUnsafeError):
+            env.fork("refused", [0], shared_memory="refuse")
+        env.call("write", "/tmp/ws/g.txt", "after the refused fork\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # it shares memory with its source: said
+            branch = env.fork("b", [0])
+        try:
+            assert branch.call("read", "/tmp/ws/f.txt") == ("before\n",)
+            assert branch.call("read", "/tmp/ws/g.txt") == ("after the refused fork\n",)
+            assert branch.call("layers") == (2,)  # both forks froze
+        finally:
+            branch.close()
+    finally:
+        env.close()

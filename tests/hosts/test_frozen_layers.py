@@ -1497,3 +1497,79 @@ def test_a_helper_that_died_between_forks_loses_no_source(monkeypatch):
         assert not layers.lost and layers.off
     finally:
         envs.close()
+
+
+def _started_at(pid: int) -> float:
+    """When process ``pid`` started, seconds on CLOCK_BOOTTIME (to a clock tick)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_source_forks_its_clones_while_its_writes_are_frozen_and_they_wait(monkeypatch):
+    """The source does not wait for its new layer before it forks (the freeze, ~1.5 ms,
+    off a fork's critical path): its clones are made at once and wait for its word
+    before their namespaces, so each stands on the frozen layer, with what the source
+    wrote before the fork and nothing it wrote after."""
+    from gym_fork.hosts.process import forking
+
+    envs = ForkVectorEnv([Workspace], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "before\n")
+        send_layer = forking._send_layer
+        sent_at = []
+
+        def late(*args, **kwargs):
+            time.sleep(0.3)
+            sent_at.append(time.clock_gettime(time.CLOCK_BOOTTIME))
+            return send_layer(*args, **kwargs)
+
+        monkeypatch.setattr(forking, "_send_layer", late)
+        branch = envs.fork("b", copies=2)
+        monkeypatch.undo()
+        try:
+            assert len(sent_at) == 1
+            assert all(_started_at(pid) < sent_at[0] - 0.1 for pid in branch.worker_pids)
+            envs.call("write", "/tmp/ws/f.txt", "after\n")
+            assert branch.call("read", "/tmp/ws/f.txt") == ("before\n", "before\n")
+            assert branch.call("layers") == (1, 1) and envs.call("layers") == (1,)
+            branch.call("write", "/tmp/ws/f.txt", "branch\n")
+            assert envs.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_source_holding_a_tmp_file_open_for_writing_takes_its_layer_before_forking(
+    monkeypatch,
+):
+    """Its clones would inherit the file open for writing and hold the frozen layer's
+    seal back: the source takes its layer first (as before), and the fork goes through."""
+    from gym_fork.hosts.process import forking
+
+    envs = ForkVectorEnv([Workspace], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.call("hold_log")
+        envs.call("log", "one\n")
+        send_layer = forking._send_layer
+        sent_at = []
+
+        def late(*args, **kwargs):
+            time.sleep(0.3)
+            sent_at.append(time.clock_gettime(time.CLOCK_BOOTTIME))
+            return send_layer(*args, **kwargs)
+
+        monkeypatch.setattr(forking, "_send_layer", late)
+        branch = envs.fork("b")
+        monkeypatch.undo()
+        try:
+            assert _started_at(branch.worker_pids[0]) >= sent_at[0] - 0.02
+            assert branch.call("layers") == (1,)
+        finally:
+            branch.close()
+    finally:
+        envs.close()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gym_fork.hosts.process import messages as M
-from gym_fork.system import cgroups
+from gym_fork.system import cgroups, layer_slots
 from gym_fork.system.birth import Role
 from gym_fork.system.children import read_until_closed
 from gym_fork.system.fan_out import Forked, fork_all
@@ -41,7 +41,11 @@ from gym_fork.system.linux import (
     live_children,
     wait_readable,
 )
-from gym_fork.system.sandbox_isolation import adopt_frozen_layer, before_forking_clones
+from gym_fork.system.sandbox_isolation import (
+    adopt_frozen_layer,
+    before_forking_clones,
+    writes_tmp_files,
+)
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.region import Region
 from gym_fork.worker.loop import SubEnvSlot
@@ -148,9 +152,17 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     handed, fds = M.receive_for(
         worker.sock, fork_id, M.CloneFds, SIDE_TIMEOUT_S, "clone fds", _late
     )
+    # The layer helper is freezing its /tmp writes now (``layer_follows``): the clones
+    # are forked meanwhile and wait, before their namespaces, until this worker has
+    # taken its new layer (the freeze, ~1.5 ms, off a fork's critical path). Taken
+    # whatever fails first: its /tmp stands on that layer.
+    layer_taken = [not handed.layer_follows]
+
+    def take_layer() -> bool:
+        layer_taken[0] = True
+        return _take_frozen_layer(worker, fork_id)
+
     try:
-        if handed.layer_follows:  # the layer helper is freezing its /tmp writes now
-            _take_frozen_layer(worker, fork_id)
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
@@ -167,6 +179,10 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
             raise RuntimeError("fork: this worker has not attached its slab yet")
         handed_fds = frozenset(fds)
         shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds)
+        if not layer_taken[0] and writes_tmp_files():
+            # Its clones would inherit a file of the frozen layer open for writing, and
+            # hold its seal back until they reopened it: the layer is taken first.
+            take_layer()
         if shared and arg.get("shared_memory") == "refuse":
             envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
             return {"shared_with_source": shared, "envs": envs}
@@ -176,7 +192,13 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
         commit = os.pipe()
         try:
             made = _fork_siblings(
-                worker, plan, arg["num_envs"], arg["ring_capacity"], commit, handed
+                worker,
+                plan,
+                arg["num_envs"],
+                arg["ring_capacity"],
+                commit,
+                handed,
+                None if layer_taken[0] else take_layer,
             )
             try:
                 watches = [made.watches[k] for k in range(len(plan))]
@@ -199,16 +221,22 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
                 os.close(fd)
         return pids
     finally:
-        for fd in fds:
-            os.close(fd)
+        try:
+            if not layer_taken[0]:  # failed before: its /tmp stands on the new layer
+                with contextlib.suppress(Exception):
+                    take_layer()
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
-def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> None:
+def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> bool:
     """The controller's word on this worker's /tmp, frozen while it woke: where its
     writes are a shared read-only layer now, keep the new upper layer that comes with
     it (reopening its /tmp files there) and, if the frozen layer could not be sealed at
     once (a file of it was open for writing), say so and wait until it is. A fork the
-    controller gave up on (``cancelled``) fails here, its layer kept all the same."""
+    controller gave up on (``cancelled``) fails here, its layer kept all the same.
+    Returns whether a layer came (its writes are frozen: a clone's /tmp stands on it)."""
     layer, fds = M.receive_for(
         worker.sock, fork_id, M.FrozenLayer, SIDE_TIMEOUT_S, "frozen layer", _late
     )
@@ -234,6 +262,7 @@ def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> None:
         raise RuntimeError("fork: the controller gave it up")
     if why:
         raise RuntimeError(f"fork: its /tmp's frozen layer is not read-only: {why}")
+    return layer.frozen
 
 
 def _late(message: M.Message, fds: list[int]) -> None:
@@ -267,6 +296,10 @@ class _FanOut:
     # worker died) makes it exit: a clone a killed helper made but never reported is
     # known to no one else.
     commit: int = -1
+    # The read end of the layer pipe, where the source takes its /tmp's new layer after
+    # forking: a clone reads one byte before its namespaces (b"F": its source's writes
+    # are a frozen layer now, b"N": no layer, copy them); EOF: the FORK failed. -1: none.
+    layer: int = -1
     deadline: float = 0.0  # time.monotonic() past which the FORK has failed for certain
     # The source's ``random`` module state: CPython reseeds it in every forked child
     # (an at-fork hook), which would make a branch's draws differ from its source's.
@@ -280,6 +313,7 @@ def _fork_siblings(
     capacity: int,
     commit: tuple[int, int],
     handed: M.CloneFds,
+    take_layer: Callable[[], bool] | None = None,
 ) -> Forked:
     """Fork every clone of ``plan`` into a child of the warm parent; returns them once
     every clone has its snapshot of this worker's /tmp and /dev/shm. If any cannot be
@@ -289,14 +323,19 @@ def _fork_siblings(
     Each clone is forked as a sibling of this worker, by the worker itself or, for a
     large fan-out, by helpers (siblings too). fork_sibling runs none of the C library's
     fork handlers, which keep a threaded process's locks sane across fork: a worker with
-    threads (an env's) double-forks instead."""
+    threads (an env's) double-forks instead.
+
+    ``take_layer``: the source's new /tmp layer is taken once the clones are forked
+    (they wait for it, :func:`_await_layer`); it says whether a layer came."""
     # Each clone keeps the write end until it has copied its source's /tmp and /dev/shm:
     # EOF says the source may change them again.
     read_end, write_end = os.pipe()
+    layer_read, layer_write = os.pipe() if take_layer is not None else (-1, -1)
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT
     cores = len(os.sched_getaffinity(0)) or 1
     fan = _FanOut(worker, plan, num_envs, capacity, len(plan) > cores, write_end, handed)
     fan.commit, fan.deadline = commit[0], deadline + COMMIT_GRACE
+    fan.layer = layer_read
     fan.random_state = random.getstate()
     gate_write = -1
     if has_threads() or not can_fork_sibling():
@@ -309,14 +348,17 @@ def _fork_siblings(
                 lambda k, close: _become_clone(fan, plan[k], close),
                 sibling=fan.gate < 0,
                 helpers=max(1, min(cores, len(plan) // FORKS_PER_HELPER)),
-                close=(read_end, gate_write, commit[1]),
+                close=(read_end, gate_write, commit[1], layer_write),
                 deadline=deadline,
                 seconds=SNAPSHOT_TIMEOUT,
             )
         finally:
-            for fd in (write_end, fan.gate, gate_write):
+            for fd in (write_end, fan.gate, gate_write, layer_read):
                 if fd >= 0:
                     os.close(fd)
+        if take_layer is not None:  # its clones wait for it (a failure: EOF, they exit)
+            word = b"F" if take_layer() else b"N"
+            os.write(layer_write, word * len(plan))
         _await_snapshots(read_end, deadline)
     except BaseException:
         if made is not None:
@@ -324,6 +366,8 @@ def _fork_siblings(
         raise
     finally:
         os.close(read_end)
+        if layer_write >= 0:
+            os.close(layer_write)
     return made
 
 
@@ -400,6 +444,8 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
             (worker.isolation_config, worker.tree_isolation),
         )
         child.slots, child.attach_arg = worker.slots, worker.attach_arg
+        if fan.layer >= 0:
+            _await_layer(fan.layer, fan.deadline)
         child.enter_sandbox(Role.CLONE, copy_from=worker.scratch)
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
@@ -414,6 +460,21 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         child.run(first_wait_asleep=fan.crowded)
 
     run_as_sandbox(body)
+
+
+def _await_layer(layer: int, deadline: float) -> None:
+    """A clone forked before its source took its /tmp's new layer: wait for its word
+    before the namespaces (its mount namespace is a copy of its source's as it makes
+    it: the frozen layer's slot must be there); exit where the source failed (EOF) or
+    past ``deadline``."""
+    if not wait_readable(layer, max(0.0, deadline - time.monotonic())):
+        os._exit(0)
+    word = os.read(layer, 1)
+    if word not in (b"F", b"N"):
+        os._exit(0)  # EOF: the FORK failed
+    os.close(layer)
+    if word == b"F":
+        layer_slots.adopted_layer()  # as its source counted it, after this fork
 
 
 def _await_adoption(gate: int, warm_parent: int, deadline: float) -> None:
