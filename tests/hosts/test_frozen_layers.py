@@ -1506,26 +1506,32 @@ def _started_at(pid: int) -> float:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def _layers_sent_late(monkeypatch) -> list[float]:
+    """Each FrozenLayer goes to its source 0.3 s late; the CLOCK_BOOTTIME of each send."""
+    from gym_fork.hosts.process import forking
+
+    send_layer = forking._send_layer
+    sent_at: list[float] = []
+
+    def late(*args, **kwargs):
+        time.sleep(0.3)
+        sent_at.append(time.clock_gettime(time.CLOCK_BOOTTIME))
+        return send_layer(*args, **kwargs)
+
+    monkeypatch.setattr(forking, "_send_layer", late)
+    return sent_at
+
+
 def test_a_source_forks_its_clones_while_its_writes_are_frozen_and_they_wait(monkeypatch):
     """The source does not wait for its new layer before it forks (the freeze, ~1.5 ms,
     off a fork's critical path): its clones are made at once and wait for its word
     before their namespaces, so each stands on the frozen layer, with what the source
     wrote before the fork and nothing it wrote after."""
-    from gym_fork.hosts.process import forking
-
     envs = ForkVectorEnv([Workspace], lineage_log=False)
     try:
         envs.reset(seed=0)
         envs.call("write", "/tmp/ws/f.txt", "before\n")
-        send_layer = forking._send_layer
-        sent_at = []
-
-        def late(*args, **kwargs):
-            time.sleep(0.3)
-            sent_at.append(time.clock_gettime(time.CLOCK_BOOTTIME))
-            return send_layer(*args, **kwargs)
-
-        monkeypatch.setattr(forking, "_send_layer", late)
+        sent_at = _layers_sent_late(monkeypatch)
         branch = envs.fork("b", copies=2)
         monkeypatch.undo()
         try:
@@ -1547,23 +1553,13 @@ def test_a_source_holding_a_tmp_file_open_for_writing_takes_its_layer_before_for
 ):
     """Its clones would inherit the file open for writing and hold the frozen layer's
     seal back: the source takes its layer first (as before), and the fork goes through."""
-    from gym_fork.hosts.process import forking
-
     envs = ForkVectorEnv([Workspace], lineage_log=False)
     try:
         envs.reset(seed=0)
         envs.call("write", "/tmp/ws/f.txt", "x\n")
         envs.call("hold_log")
         envs.call("log", "one\n")
-        send_layer = forking._send_layer
-        sent_at = []
-
-        def late(*args, **kwargs):
-            time.sleep(0.3)
-            sent_at.append(time.clock_gettime(time.CLOCK_BOOTTIME))
-            return send_layer(*args, **kwargs)
-
-        monkeypatch.setattr(forking, "_send_layer", late)
+        sent_at = _layers_sent_late(monkeypatch)
         branch = envs.fork("b")
         monkeypatch.undo()
         try:
