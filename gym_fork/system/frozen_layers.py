@@ -14,9 +14,13 @@ of the controller's) freezes the source's writes:
    the tree's /tmp below, an empty tmpfs of its own above (handed to the source with the
    FORK: it keeps it as its upper layer);
 3. the source reopens its files under /tmp and re-enters its working directory
-   (sandbox_isolation.adopt_frozen_layer), then forks its clones. A clone copies the
+   (sandbox_isolation.adopt_frozen_layer). It forked its clones while the helper froze
+   (gym_fork/hosts/process/sandbox.py: the freeze is off a fork's critical path), and
+   tells them then; each waits for that word before its namespaces. A clone copies the
    source's mount namespace, slots included, and mounts its own /tmp over the same layers
-   (:func:`layer_paths`) with an empty upper: nothing is copied, whatever the size.
+   (:func:`layer_paths`) with an empty upper: nothing is copied, whatever the size. (A
+   source holding a /tmp file open for writing takes its layer before it forks: its
+   clones would inherit the file open, and hold the seal back.)
 
 Why from outside: a confined source has no capability left (and is usually threaded: no
 new user namespace for it), so it cannot mount; the layers must be *attached* where a
@@ -31,7 +35,8 @@ a detached tmpfs the source holds an fd of, and the upper layer of the /tmp the 
 layer, nor a tmpfs a sandbox made in a user namespace of its own); every path it touches
 is under that tmpfs through fds, the tree's view (no symlink), or a slot of the index it
 mounted itself (read-only to the sandbox); the frozen layer's file system is made
-read-only (sealed) before any clone runs: at once, within the freeze, where no file of it
+read-only (sealed) before any clone's set-up (its namespaces; env code of its at-fork
+hooks may run before, as in any fork): at once, within the freeze, where no file of it
 is open for writing (new opens go through the new /tmp already), else once the source has
 reopened its files; a source whose layer cannot be sealed then (a file of it still open
 for writing past /tmp's overlay) is not forked (gym_fork/hosts/process/layers.py); the
