@@ -278,7 +278,10 @@ def clone_source(copy_from: str | None, tree: Isolation) -> str | None:
 
 
 def before_forking_clones(
-    copy_from: str | None, tree: Isolation, handed: frozenset[int] = frozenset()
+    copy_from: str | None,
+    tree: Isolation,
+    handed: frozenset[int] = frozenset(),
+    swapping: bool = False,
 ) -> list[str]:
     """Run in a sandbox about to fork clones (``copy_from`` as they will pass it to
     :func:`gym_fork.system.birth.be_born`): list what their TMPDIRs start from once,
@@ -286,9 +289,12 @@ def before_forking_clones(
     they will share with this sandbox whatever their namespaces: its shared mappings
     (anonymous shared memory included: a fork does not copy them), and open files in /tmp
     or /dev/shm no clone can reopen on its copy. Returns those, named. ``handed``: the
-    clones' fds the controller sent (no file of /tmp or /dev/shm: not looked at)."""
+    clones' fds the controller sent (no file of /tmp or /dev/shm: not looked at).
+    ``swapping``: the layer helper may be moving its /tmp writes now (a freeze, or its
+    undoing): no listing of them is remembered, each clone looks once its source has
+    its word on the layer."""
     global _EMPTY_CLONE_SOURCE, _CLONE_INHERITS
-    source = clone_source(copy_from, tree)
+    source = None if swapping else clone_source(copy_from, tree)
     try:
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:

@@ -1548,17 +1548,30 @@ def test_a_source_forks_its_clones_while_its_writes_are_frozen_and_they_wait(mon
         envs.close()
 
 
-def test_a_source_holding_a_tmp_file_open_for_writing_takes_its_layer_before_forking(
-    monkeypatch,
-):
-    """Its clones would inherit the file open for writing and hold the frozen layer's
-    seal back: the source takes its layer first (as before), and the fork goes through."""
-    envs = ForkVectorEnv([Workspace], lineage_log=False)
+class WithAThread(Workspace):
+    """A Workspace whose process runs a thread of its own (asleep)."""
+
+    def start_thread(self):
+        import threading
+
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+
+
+@pytest.mark.parametrize("holds", ["a file open for writing", "a thread"])
+def test_a_source_takes_its_layer_before_forking_where_forking_first_is_unsafe(monkeypatch, holds):
+    """A source holding a /tmp file open for writing (its clones would inherit it, and
+    hold the frozen layer's seal back), or running a thread (one could write /tmp
+    between the new /tmp's mount and the fork: its clones, forked holding the old layer,
+    would miss it), takes its layer first, as before; the fork goes through."""
+    envs = ForkVectorEnv([WithAThread], lineage_log=False)
     try:
         envs.reset(seed=0)
         envs.call("write", "/tmp/ws/f.txt", "x\n")
-        envs.call("hold_log")
-        envs.call("log", "one\n")
+        if holds == "a thread":
+            envs.call("start_thread")
+        else:
+            envs.call("hold_log")
+            envs.call("log", "one\n")
         sent_at = _layers_sent_late(monkeypatch)
         branch = envs.fork("b")
         monkeypatch.undo()

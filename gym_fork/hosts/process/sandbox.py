@@ -163,6 +163,11 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
         return _take_frozen_layer(worker, fork_id)
 
     try:
+        if not layer_taken[0] and has_threads():
+            # A thread of its may write /tmp while the helper swaps it: between the new
+            # /tmp's mount and the fork, a write would land in the new layer, which its
+            # clones, forked holding the old one, would not copy. Taken first, as before.
+            take_layer()
         refuse_child_processes()
         per = handed.fds_per_clone()
         if handed.clones != len(clones):
@@ -178,11 +183,14 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
         handed_fds = frozenset(fds)
-        shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds)
-        if not layer_taken[0] and writes_tmp_files():
+        swapping = not layer_taken[0]  # the helper may be moving its /tmp writes now
+        shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds, swapping)
+        if swapping and writes_tmp_files():
             # Its clones would inherit a file of the frozen layer open for writing, and
-            # hold its seal back until they reopened it: the layer is taken first.
+            # hold its seal back until they reopened it: the layer is taken first, and
+            # what they inherit listed again (on its new layer).
             take_layer()
+            shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds)
         if shared and arg.get("shared_memory") == "refuse":
             envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
             return {"shared_with_source": shared, "envs": envs}
@@ -357,8 +365,9 @@ def _fork_siblings(
                 if fd >= 0:
                     os.close(fd)
         if take_layer is not None:  # its clones wait for it (a failure: EOF, they exit)
-            word = b"F" if take_layer() else b"N"
-            os.write(layer_write, word * len(plan))
+            words = (b"F" if take_layer() else b"N") * len(plan)
+            while words:  # a pipe takes up to 4 KiB at once (a signal may cut it short)
+                words = words[os.write(layer_write, words) :]
         _await_snapshots(read_end, deadline)
     except BaseException:
         if made is not None:
