@@ -19,8 +19,9 @@ of the controller's) freezes the source's writes:
    tells them then; each waits for that word before its namespaces. A clone copies the
    source's mount namespace, slots included, and mounts its own /tmp over the same layers
    (:func:`layer_paths`) with an empty upper: nothing is copied, whatever the size. (A
-   source holding a /tmp file open for writing takes its layer before it forks: its
-   clones would inherit the file open, and hold the seal back.)
+   source with threads takes its layer before it forks: a thread's write between the
+   new /tmp's mount and the fork would be in no layer its clones hold; so does one
+   holding a /tmp file open for writing: its clones would hold the seal back.)
 
 Why from outside: a confined source has no capability left (and is usually threaded: no
 new user namespace for it), so it cannot mount; the layers must be *attached* where a
