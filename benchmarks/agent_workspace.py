@@ -13,9 +13,10 @@ layer is every sandbox's shared lower layer). Then:
              between branch points: every fork freezes): the time to the branches'
              first step, the fork call alone, the layer helper's freeze of the source's
              /tmp writes into a shared layer (gym_fork/system/frozen_layers.py), and the
-             swap as the source lives it (the freeze asked, its files reopened on the
-             new layer, the frozen one sealed: the controller's clock; the first swap of
-             a host, which also waits for the helper to start, apart)
+             swap as the source lives it (its wait for its new layer, which it forks
+             its clones meanwhile, its files reopened there, the frozen one sealed: the
+             source's clock, as it says; the first swap of a host, which also waits for
+             the helper to start, apart)
   copy fork  the same with ``GYM_FORK_TMP_LAYERS=0``: each clone copies the source's
              /tmp writes (what a fork did before frozen layers)
   cp -a      what a user does without a fork: k fresh sandboxes (clones of the warm

@@ -1582,3 +1582,17 @@ def test_a_source_takes_its_layer_before_forking_where_forking_first_is_unsafe(m
             branch.close()
     finally:
         envs.close()
+
+
+def test_a_sources_word_on_its_swap_is_kept_only_where_a_swap_could_take_it():
+    """ClonesForked's ``layer_ms`` is the source's own figure (benchmarks read it): a
+    hostile or broken source's NaN, infinity, negative or absurd figure is not kept."""
+    from gym_fork.hosts.process.layers import TmpLayers
+    from gym_fork.system.isolation import IsolationConfig
+
+    layers = TmpLayers(IsolationConfig())
+    for said in (float("nan"), float("inf"), -1.0, 0.0, 1e12, 3):
+        layers.source_swapped(said)
+    assert layers.swap_ms == []
+    layers.source_swapped(0.75)
+    assert layers.swap_ms == [0.75]

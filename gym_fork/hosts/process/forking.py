@@ -132,7 +132,9 @@ def _start_fork(
             if reply.pids != list(pids):
                 M.close_fds(pidfds)
                 raise SandboxStartError(f"{what}: pidfds do not match")
-            return host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+            watches = host._new_members(adopt_pidfds(reply.pids, reply.pidfds, pidfds), what)
+            host.tmp_layers.source_swapped(reply.layer_ms)
+            return watches
 
         try:
             watches = hand_over(ends, exchange)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,11 +51,10 @@ class TmpLayers:
         self.in_flight: dict[int, tuple[int, int | None]] = {}
         self._starting = threading.Lock()  # one helper, whichever thread forks first
         self.closed = False  # no helper is started any more
-        self.started: dict[int, float] = {}  # token -> when its freeze was asked
-        # Each frozen fork's layer swap on the controller's clock, ms (benchmarks read
-        # it): from asking the freeze to the frozen layer sealed; where the helper
-        # sealed it at once (no file of it open for writing), the source's reopening of
-        # its files follows unseen (~0.1 ms: benchmarks/agent_workspace.py).
+        # Each fork's layer swap as its source lived it, ms, as it said (benchmarks read
+        # it): waiting for its new layer, adopting it (its files reopened), its seal.
+        # A source forks its clones while the helper freezes: its wait is what the
+        # freeze outlasts the fork (benchmarks/agent_workspace.py).
         self.swap_ms: list[float] = []
         # source pid -> the number of the helper's answer to "anything to freeze?", asked
         # as its fork began (check_soon) and taken by its freeze (or forgotten at its next
@@ -123,11 +121,9 @@ class TmpLayers:
         layer was lost."""
         if self.helper is not None and self.helper.broken and not self.off:
             self.off = self.helper.broken  # ended between forks: its sources copy
-        for pid, (_why, tokens, watch) in list(self.unsealed.items()):
+        for pid, (_why, _tokens, watch) in list(self.unsealed.items()):
             if not watch.alive():
                 self.unsealed.pop(pid, None)
-                for token in tokens:
-                    self.started.pop(token, None)
         for pid, (_why, watch) in list(self.lost.items()):
             if not watch.alive():
                 self.lost.pop(pid, None)
@@ -164,7 +160,6 @@ class TmpLayers:
         helper ended midway: the source's layer is unknown then, and it is not forked
         again. Signals wait (``held``) until the result is kept in flight: a Ctrl-C in
         the helper's answer comes once it is (the caller sends it on)."""
-        asked = time.perf_counter()
         with held():
             try:
                 fd, _depth, token = self._helper().freeze(
@@ -180,18 +175,13 @@ class TmpLayers:
                     self.off = self.helper.broken  # it ended before this freeze began
                 self._say(source, str(exc))
                 return None
-            return self._started(source, asked, fd, token)
+            return self._started(source, fd, token)
 
-    def _started(
-        self, source: WorkerHandle, asked: float, fd: int, token: int | None
-    ) -> tuple[int, int | None]:
+    def _started(self, source: WorkerHandle, fd: int, token: int | None) -> tuple[int, int | None]:
         """A freeze's result, kept (in flight, and its token as unsealed) until it is
         sent and sealed."""
         self.in_flight[source.pid] = (fd, token)
-        if token is None:
-            self._swapped(asked)
-        else:
-            self.started[token] = asked
+        if token is not None:
             self._unsealed(source, token, "it was not sealed yet")
         return fd, token
 
@@ -227,9 +217,6 @@ class TmpLayers:
             self._unsealed(source, token, why)
             return why
         self._sealed(source, token)
-        asked = self.started.pop(token, None)
-        if asked is not None:
-            self._swapped(asked)
         return why
 
     def _sealed(self, source: WorkerHandle, token: int) -> None:
@@ -251,7 +238,6 @@ class TmpLayers:
                 self._unsealed(source, token, again)
             else:
                 self._sealed(source, token)
-                self.started.pop(token, None)
         if source.pid in self.unsealed:
             why = self.unsealed[source.pid][0]
             raise RuntimeError(
@@ -264,8 +250,11 @@ class TmpLayers:
             return "the layer helper has ended"
         return self.helper.seal(token)
 
-    def _swapped(self, asked: float) -> None:
-        self.swap_ms = [*self.swap_ms[-999:], (time.perf_counter() - asked) * 1e3]
+    def source_swapped(self, layer_ms: float) -> None:
+        """A source's word on its time on its new layer (ClonesForked): kept where it is
+        a figure a swap could take (0 where no layer came: not kept)."""
+        if type(layer_ms) is float and 0.0 < layer_ms <= 600_000.0:
+            self.swap_ms = [*self.swap_ms[-999:], layer_ms]
 
     def close(self) -> None:
         """End the helper, if one was started."""

@@ -321,12 +321,15 @@ class LayerSealed(Message):
 
 @dataclass(frozen=True)
 class ClonesForked(Message):
-    """Worker: its clones' pids, a pidfd of each that lives."""
+    """Worker: its clones' pids, a pidfd of each that lives; ``layer_ms``: how long it
+    spent on its /tmp's new layer (waiting for it, adopting it, its seal), 0 where none
+    was to come (its word: a figure for benchmarks, never acted on)."""
 
     OP = "clones-forked"
     pids: list[int]
     pidfds: list[bool] = field(default_factory=list)
     fork_id: int = 0
+    layer_ms: float = 0.0
 
 
 # The side-socket messages of a FORK, as each end reads them; at most MAX_EARLIER of
