@@ -13,6 +13,11 @@ process's page tables, and two cores copy them twice as fast. Whoever forks a cl
 holds its pidfd: a FORK that fails midway (a clone the kernel refuses, snapshots not
 taken by their deadline) kills the clones made so far, and the controller gets the
 pidfds of those of a FORK that succeeds.
+
+(Over ~450 lines as one job: a FORK's two sides, the source's and each clone's first
+steps up to its birth, share the fan-out's pipes and state (``_FanOut``) and hand over
+to each other in an order that is read side by side: the layer word, the snapshot, the
+commit.)
 """
 
 from __future__ import annotations
