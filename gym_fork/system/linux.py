@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -190,6 +191,26 @@ _WALL = 0x40000000  # wait(2)'s __WALL
 # Offset of the thread's tid in glibc's struct pthread (x86_64), used only where it
 # holds our tid (checked): the child's copy is set by the kernel, as glibc's fork does.
 _GLIBC_TID_OFFSET = 0x2D0
+
+
+_libc_sigmask = ctypes.CDLL(None, use_errno=True).pthread_sigmask
+_ALL_SIGNALS = (ctypes.c_ubyte * _SIGSET_BYTES)(*([0xFF] * _SIGSET_BYTES))
+
+
+def block_signals() -> Any:
+    """Block every maskable signal in the calling thread; returns the mask it had, for
+    :func:`restore_signals`. Meanwhile no Python signal handler runs (a signal that
+    comes waits, pending), and a process forked meanwhile is born with them blocked
+    (it restores the mask itself). On sigset_t buffers: no Python set is made."""
+    saved = (ctypes.c_ubyte * _SIGSET_BYTES)()
+    if _libc_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS, saved) != 0:
+        raise OSError(errno.EINVAL, "block_signals: the signal mask could not be set")
+    return saved
+
+
+def restore_signals(saved: Any) -> None:
+    """Put back the mask :func:`block_signals` returned (pending signals come now)."""
+    _libc_sigmask(signal.SIG_SETMASK, saved, None)
 
 
 class _RawClone:

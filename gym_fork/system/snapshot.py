@@ -216,6 +216,8 @@ def reopen_copied_files(files: list) -> tuple[int, list[str]]:
             stuck.append(path)
             continue
         try:
+            if new == fd:  # closed meanwhile (a thread of its): its number was free again
+                continue
             after = os.fstat(new)
             if (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino):
                 continue  # the same file (a read-only one of the host's, below the layers)

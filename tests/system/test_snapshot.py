@@ -75,3 +75,25 @@ def test_an_upper_layer_is_copied_with_what_hides_the_layers_below(tmp_path):
     assert sorted(os.listdir(plain)) == ["remade"]
     with pytest.raises(OSError):
         os.getxattr(plain / "remade", "user.overlay.opaque")
+
+
+def test_a_file_closed_by_a_thread_before_it_is_reopened_is_let_be(tmp_path, monkeypatch):
+    """A source's thread may close a /tmp file between the listing of its fds and their
+    reopening on its new layer: the reopening's open then gets that very number back
+    (the lowest free), and a dup2 onto itself would fail the fork (EINVAL); the file is
+    let be, and no fd is left open."""
+    held, shown = tmp_path / "held", tmp_path / "shown"  # its new layer shows another
+    held.write_text("x")
+    shown.write_text("y")
+    fd = os.open(held, os.O_RDONLY)  # the lowest free number: free again once closed
+    flags_of = snapshot._fd_flags_and_position
+
+    def closed_after_its_flags_were_read(target):
+        result = flags_of(target)
+        os.close(target)  # the thread closes it right after it was looked at
+        return result
+
+    monkeypatch.setattr(snapshot, "_fd_flags_and_position", closed_after_its_flags_were_read)
+    assert snapshot.reopen_copied_files([(fd, str(shown))]) == (0, [])
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed: the reopening took nothing of it

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # passes at most 253 fds in one message (SCM_MAX_FD).
 SPAWN_BATCH = 50
 SEAL_WAIT_S = 10.0  # a source reopens its /tmp files: milliseconds (its own wait: 60 s)
+QUIET_WAIT_S = 10.0  # a source takes its FORK off its ring and says ForkQuiet: milliseconds
 assert SPAWN_BATCH * M.FDS_PER_SANDBOX <= MAX_FDS
 
 
@@ -191,6 +192,8 @@ def _start_fork(
         }
         with held():  # asked is recorded: the except below gives it up (ring send: at once)
             waiting = job.ask_later(P.FORK, arg)
+        if freezing:  # its env code is held off before its /tmp is frozen under it
+            M.receive_for(link.sock, fork_id, M.ForkQuiet, QUIET_WAIT_S, what)
         if freezing and layers.wrote(source):  # the helper works while the source wakes
             with held():  # the freeze, until its layer is the source's (a Ctrl-C: then)
                 if layers.freeze(source) is not None:

@@ -279,6 +279,17 @@ class CloneFds(Message):
 
 
 @dataclass(frozen=True)
+class ForkQuiet(Message):
+    """Worker, once it has a FORK whose CloneFds said a layer follows: its env code (in
+    the thread that serves) is held off from here until it has taken its new layer, so
+    the freeze may begin (a /tmp write of its meanwhile could land in no layer its
+    clones hold)."""
+
+    OP = "fork-quiet"
+    fork_id: int = 0
+
+
+@dataclass(frozen=True)
 class FrozenLayer(Message):
     """Controller, after a FORK whose CloneFds said a layer follows: ``frozen``: the
     source's /tmp writes are a shared read-only layer now, and its new upper layer's fd
@@ -333,10 +344,10 @@ class ClonesForked(Message):
 
 
 # The side-socket messages of a FORK, as each end reads them; at most MAX_EARLIER of
-# earlier FORKs are dropped in one wait (a FORK leaves at most three behind).
+# earlier FORKs are dropped in one wait (a FORK leaves at most four behind).
 MAX_EARLIER = 16
 TO_SOURCE: tuple[type[Message], ...] = (CloneFds, FrozenLayer, LayerSealed)
-TO_CONTROLLER: tuple[type[Message], ...] = (LayerAdopted, ClonesForked)
+TO_CONTROLLER: tuple[type[Message], ...] = (ForkQuiet, LayerAdopted, ClonesForked)
 
 
 def receive_for(

@@ -40,10 +40,12 @@ from gym_fork.system.birth import Role
 from gym_fork.system.children import read_until_closed
 from gym_fork.system.fan_out import Forked, fork_all
 from gym_fork.system.linux import (
+    block_signals,
     can_fork_sibling,
     die_with_parent,
     has_threads,
     live_children,
+    restore_signals,
     wait_readable,
 )
 from gym_fork.system.sandbox_isolation import (
@@ -154,23 +156,43 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     fork_id = arg.get("fork_id")
     if type(fork_id) is not int:
         raise TypeError(f"fork: a FORK's id must be an int, got {fork_id!r}")
-    handed, fds = M.receive_for(
-        worker.sock, fork_id, M.CloneFds, SIDE_TIMEOUT_S, "clone fds", _late
-    )
+    # From now until its /tmp is final (the freeze begins once it says so: ForkQuiet).
+    _hold_env_code_off()
+    try:
+        handed, fds = M.receive_for(
+            worker.sock, fork_id, M.CloneFds, SIDE_TIMEOUT_S, "clone fds", _late
+        )
+    except BaseException:
+        _let_env_code_run()
+        raise
     # The layer helper is freezing its /tmp writes now (``layer_follows``): the clones
     # are forked meanwhile and wait, before their namespaces, until this worker has
     # taken its new layer (the freeze, ~1.5 ms, off a fork's critical path). Taken
     # whatever fails first: its /tmp stands on that layer.
     layer_taken = [not handed.layer_follows]
     layer_ms = [0.0]  # its time on the layer: the swap as it lives it (benchmarks)
+    if layer_taken[0]:
+        _let_env_code_run()  # no layer comes: its /tmp stays as it is
+    else:  # the controller asks the freeze once it hears this
+        try:
+            M.send(worker.sock, M.ForkQuiet(fork_id))
+        except BaseException:
+            with contextlib.suppress(Exception):  # its layer, or its word: it is told
+                _take_frozen_layer(worker, fork_id)
+            _let_env_code_run()
+            M.close_fds(fds)
+            raise
 
     def take_layer() -> bool:
         layer_taken[0] = True
         started = time.perf_counter()
         try:
-            return _take_frozen_layer(worker, fork_id)
+            frozen = _take_frozen_layer(worker, fork_id)
+            if frozen:
+                layer_ms[0] = (time.perf_counter() - started) * 1e3
+            return frozen
         finally:
-            layer_ms[0] = (time.perf_counter() - started) * 1e3
+            _let_env_code_run()  # its /tmp is final: what it writes now is its own
 
     try:
         if not layer_taken[0] and has_threads():
@@ -244,8 +266,40 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
                 with contextlib.suppress(Exception):
                     take_layer()
         finally:
+            _let_env_code_run()
             for fd in fds:
                 os.close(fd)
+
+
+# While a source's /tmp may be swapped under it (from its FORK until it has taken its
+# new layer), its env code in this thread must not write /tmp (a signal handler, a
+# finalizer the collector runs): a single-threaded source forks before it takes its
+# layer, and a write between the helper's mount of the new /tmp and the fork would land
+# in the new layer, which its clones, forked holding the old one, would not copy; and a
+# write through a lookup begun before that mount lands in the frozen layer (read-only
+# once sealed). (signal mask, the collector was on) meanwhile; a clone forked then lets
+# it go after its set-up. Other threads of a source run on: it takes its layer first.
+_held_off: tuple[Any, bool] | None = None
+
+
+def _hold_env_code_off() -> None:
+    """Block every signal (handlers wait) and stop the collector, until
+    :func:`_let_env_code_run`."""
+    global _held_off
+    if _held_off is None:
+        _held_off = (block_signals(), gc.isenabled())
+        gc.disable()
+
+
+def _let_env_code_run() -> None:
+    """Undo :func:`_hold_env_code_off` (nothing where it was not held off)."""
+    global _held_off
+    held, _held_off = _held_off, None
+    if held is not None:
+        mask, collecting = held
+        if collecting:
+            gc.enable()
+        restore_signals(mask)
 
 
 def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> bool:
@@ -466,6 +520,7 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         if fan.layer >= 0:
             _await_layer(fan.layer, fan.deadline)
         child.enter_sandbox(Role.CLONE, copy_from=worker.scratch)
+        _let_env_code_run()  # held off in its source as it was forked: its own now
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
