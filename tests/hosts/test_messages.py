@@ -85,3 +85,25 @@ def test_a_wait_for_a_forks_message_keeps_its_deadline_under_a_flood_of_earlier_
         writer.join()
         theirs.close()
     assert took < 1.5
+
+
+def test_a_forks_quiet_word_no_one_waited_for_is_read_past():
+    """A source says ForkQuiet wherever a layer may follow; the controller waits for it
+    only where it freezes: elsewhere the next wait of that fork reads past it (once a
+    fork's word, it is not "the wrong message"); a later fork's is still refused."""
+    import socket
+
+    from gym_fork.errors import SandboxStartError
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        M.send(theirs, M.ForkQuiet(fork_id=7))
+        M.send(theirs, M.LayerAdopted(fork_id=7))
+        adopted, _fds = M.receive_for(ours, 7, M.LayerAdopted, 1.0, "adopted")
+        assert adopted.fork_id == 7
+        M.send(theirs, M.ForkQuiet(fork_id=8))
+        with pytest.raises(SandboxStartError, match="fork-quiet of fork 8"):
+            M.receive_for(ours, 7, M.LayerAdopted, 1.0, "adopted")
+    finally:
+        ours.close()
+        theirs.close()

@@ -192,9 +192,9 @@ def _start_fork(
         }
         with held():  # asked is recorded: the except below gives it up (ring send: at once)
             waiting = job.ask_later(P.FORK, arg)
-        if freezing:  # its env code is held off before its /tmp is frozen under it
-            M.receive_for(link.sock, fork_id, M.ForkQuiet, QUIET_WAIT_S, what)
         if freezing and layers.wrote(source):  # the helper works while the source wakes
+            # Its env code is held off before its /tmp is frozen under it.
+            M.receive_for(link.sock, fork_id, M.ForkQuiet, QUIET_WAIT_S, what)
             with held():  # the freeze, until its layer is the source's (a Ctrl-C: then)
                 if layers.freeze(source) is not None:
                     frozen = layers.take_in_flight(source)

@@ -283,7 +283,8 @@ class ForkQuiet(Message):
     """Worker, once it has a FORK whose CloneFds said a layer follows: its env code (in
     the thread that serves) is held off from here until it has taken its new layer, so
     the freeze may begin (a /tmp write of its meanwhile could land in no layer its
-    clones hold)."""
+    clones hold). Where nothing is frozen, no one waits for it: :func:`receive_for`
+    reads past it."""
 
     OP = "fork-quiet"
     fork_id: int = 0
@@ -373,6 +374,9 @@ def receive_for(
         number = getattr(message, "fork_id", None)
         if number == fork_id and type(message) is expected:
             return message, fds
+        if number == fork_id and type(message) is ForkQuiet:
+            close_fds(fds)  # waited for only where a freeze follows: else read past
+            continue
         if isinstance(number, int) and number < fork_id:
             earlier(message, fds)
             continue
