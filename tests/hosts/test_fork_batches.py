@@ -146,6 +146,30 @@ def test_spawn_in_batches_releases_the_earlier_batches_when_one_fails():
     assert [(c.name, c.released) for c in made[3:]] == [("3", True)]
 
 
+def _fork_cut_short_while_answered(envs, monkeypatch) -> None:
+    """A fork of ``envs`` whose first wait for its source's answer is cut short by a
+    KeyboardInterrupt (the source forks on, its answer read afterwards)."""
+    pool_class = type(envs.sandboxes.pool)
+    ask_later = pool_class.ask_later
+
+    def interrupted_ask(self, worker, op, arg, timeout):
+        result = ask_later(self, worker, op, arg, timeout)
+        cut = []
+
+        def cut_short():
+            if not cut:  # the first wait: cut short before the answer is read
+                cut.append(1)
+                raise KeyboardInterrupt
+            return result()
+
+        return cut_short
+
+    monkeypatch.setattr(pool_class, "ask_later", interrupted_ask)
+    with pytest.raises(KeyboardInterrupt):
+        envs.fork("interrupted")
+    monkeypatch.undo()
+
+
 def test_a_ctrl_c_while_a_fork_is_answered_kills_the_clones_the_source_made(monkeypatch):
     """The Ctrl-C comes while the controller waits for the source's answer: the source
     forks on (nothing told it in time), so its clones are killed once it says which,
@@ -161,25 +185,7 @@ def test_a_ctrl_c_while_a_fork_is_answered_kills_the_clones_the_source_made(monk
         envs.reset(seed=0)
         envs.fork("warm").close()
         before = descendants()
-        pool_class = type(envs.sandboxes.pool)
-        ask_later = pool_class.ask_later
-
-        def interrupted_ask(self, worker, op, arg, timeout):
-            result = ask_later(self, worker, op, arg, timeout)
-            cut = []
-
-            def cut_short():
-                if not cut:  # the first wait: cut short before the answer is read
-                    cut.append(1)
-                    raise KeyboardInterrupt
-                return result()
-
-            return cut_short
-
-        monkeypatch.setattr(pool_class, "ask_later", interrupted_ask)
-        with pytest.raises(KeyboardInterrupt):
-            envs.fork("interrupted")
-        monkeypatch.undo()
+        _fork_cut_short_while_answered(envs, monkeypatch)
         envs.step(np.zeros(1, np.int64))  # answered once the source is done with its FORK
         assert wait_until(lambda: descendants() <= before, timeout=10), descendants() - before
         envs.fork("after").close()
@@ -270,25 +276,7 @@ def test_a_given_up_forks_clones_named_by_a_hostile_source_spare_its_warm_parent
         envs.reset(seed=0)
         envs.fork("warm").close()
         envs.call("name_the_parent")
-        pool_class = type(envs.sandboxes.pool)
-        ask_later = pool_class.ask_later
-
-        def interrupted_ask(self, worker, op, arg, timeout):
-            result = ask_later(self, worker, op, arg, timeout)
-            cut = []
-
-            def cut_short():
-                if not cut:  # the first wait: cut short before the answer is read
-                    cut.append(1)
-                    raise KeyboardInterrupt
-                return result()
-
-            return cut_short
-
-        monkeypatch.setattr(pool_class, "ask_later", interrupted_ask)
-        with pytest.raises(KeyboardInterrupt):
-            envs.fork("interrupted")
-        monkeypatch.undo()
+        _fork_cut_short_while_answered(envs, monkeypatch)
         host = envs.sandboxes.host
         # A killed pid 1 of the tree's pid namespace takes a moment to be seen gone.
         assert not wait_until(lambda: not host.alive(), timeout=1.0)
