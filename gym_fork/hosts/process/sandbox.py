@@ -173,15 +173,6 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     layer_ms = [0.0]  # its time on the layer: the swap as it lives it (benchmarks)
     if layer_taken[0]:
         _let_env_code_run()  # no layer comes: its /tmp stays as it is
-    else:  # the controller asks the freeze once it hears this
-        try:
-            M.send(worker.sock, M.ForkQuiet(fork_id))
-        except BaseException:
-            with contextlib.suppress(Exception):  # its layer, or its word: it is told
-                _take_frozen_layer(worker, fork_id)
-            _let_env_code_run()
-            M.close_fds(fds)
-            raise
 
     def take_layer() -> bool:
         layer_taken[0] = True
@@ -195,6 +186,8 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
             _let_env_code_run()  # its /tmp is final: what it writes now is its own
 
     try:
+        if not layer_taken[0]:  # the controller asks the freeze once it hears this
+            M.send(worker.sock, M.ForkQuiet(fork_id))
         if not layer_taken[0] and has_threads():
             # A thread of its may write /tmp while the helper swaps it: between the new
             # /tmp's mount and the fork, a write would land in the new layer, which its
