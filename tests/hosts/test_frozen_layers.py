@@ -1021,7 +1021,7 @@ class SideSocketWriter(KeepsItsLayer):
 
         real = sandbox._take_frozen_layer
 
-        def take(worker, fork_id):
+        def take(worker, fork_id, tell=None):
             sandbox._take_frozen_layer = real
             _layer, fds = M.receive_for(worker.sock, fork_id, M.FrozenLayer, 10.0, "layer")
             sandbox.adopt_frozen_layer(fds[0])
@@ -1640,6 +1640,57 @@ def test_a_sources_signal_handlers_wait_until_its_tmp_is_final(monkeypatch):
             (ran,) = envs.call("ran")
             assert len(ran) == 1 and ran[0] > sent_at[0]
             assert branch.call("ran") == ([],)  # its clone was forked before it came
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class ClonesDieAtFork(Workspace):
+    """A Workspace whose clones exit in their at-fork hook while armed (env code that
+    runs in a clone before its set-up)."""
+
+    armed = False
+
+    def arm(self, armed):
+        from gym_fork.hosts.process import sandbox
+
+        if not hasattr(ClonesDieAtFork, "_hooked"):
+            ClonesDieAtFork._hooked = True
+            os.register_at_fork(after_in_child=lambda: ClonesDieAtFork.armed and os._exit(0))
+            real = sandbox._take_frozen_layer
+
+            def take(worker, fork_id, tell=None):
+                if ClonesDieAtFork.armed:  # its clones are gone before its word: EPIPE
+                    time.sleep(0.3)
+                return real(worker, fork_id, tell)
+
+            sandbox._take_frozen_layer = take
+        ClonesDieAtFork.armed = armed
+
+
+def test_a_source_whose_clones_died_before_its_word_still_takes_its_layer():
+    """A source tells its clones of its new layer before it adopts it (their mount
+    namespaces copy the helper's mounts, not its fds). Clones gone by then (the pipe
+    refuses the word) fail the fork only once the source has its layer: it works on in
+    /tmp (its working directory re-entered, not left on the sealed frozen layer), and
+    forks again."""
+    envs = ForkVectorEnv([ClonesDieAtFork], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "before\n")
+        envs.call("enter", "/tmp/ws")
+        envs.call("arm", True)
+        with pytest.raises(Exception, match="clones were gone before its word"):
+            envs.fork("b0")
+        envs.call("arm", False)
+        envs.call("write_here", "f.txt", "after\n")  # EROFS on the frozen layer
+        assert envs.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
+        branch = envs.fork("b1")
+        try:
+            assert branch.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
+            branch.call("write_here", "f.txt", "branch\n")
+            assert envs.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
         finally:
             branch.close()
     finally:

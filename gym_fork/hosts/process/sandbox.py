@@ -174,11 +174,11 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     if layer_taken[0]:
         _let_env_code_run()  # no layer comes: its /tmp stays as it is
 
-    def take_layer() -> bool:
+    def take_layer(tell: Callable[[bool], None] | None = None) -> bool:
         layer_taken[0] = True
         started = time.perf_counter()
         try:
-            frozen = _take_frozen_layer(worker, fork_id)
+            frozen = _take_frozen_layer(worker, fork_id, tell)
             if frozen:
                 layer_ms[0] = (time.perf_counter() - started) * 1e3
             return frozen
@@ -295,17 +295,26 @@ def _let_env_code_run() -> None:
         restore_signals(mask)
 
 
-def _take_frozen_layer(worker: ProcessWorker, fork_id: int) -> bool:
+def _take_frozen_layer(
+    worker: ProcessWorker, fork_id: int, tell: Callable[[bool], None] | None = None
+) -> bool:
     """The controller's word on this worker's /tmp, frozen while it woke: where its
     writes are a shared read-only layer now, keep the new upper layer that comes with
     it (reopening its /tmp files there) and, if the frozen layer could not be sealed at
     once (a file of it was open for writing), say so and wait until it is. A fork the
     controller gave up on (``cancelled``) fails here, its layer kept all the same.
-    Returns whether a layer came (its writes are frozen: a clone's /tmp stands on it)."""
+    Returns whether a layer came (its writes are frozen: a clone's /tmp stands on it).
+
+    ``tell``: the clones forked before this learn it as soon as it is certain, before
+    this worker adopts its layer (the helper's mounts are what their mount namespaces
+    copy; this worker's fds are not theirs); where a seal is still awaited, the caller
+    tells them afterwards."""
     layer, fds = M.receive_for(
         worker.sock, fork_id, M.FrozenLayer, SIDE_TIMEOUT_S, "frozen layer", _late
     )
     why, cancelled = "", layer.cancelled
+    if tell is not None and not cancelled and (layer.sealed or not layer.frozen):
+        tell(layer.frozen)
     if layer.frozen:
         failed: Exception | None = None
         try:
@@ -378,7 +387,7 @@ def _fork_siblings(
     capacity: int,
     commit: tuple[int, int],
     handed: M.CloneFds,
-    take_layer: Callable[[], bool] | None = None,
+    take_layer: Callable[[Callable[[bool], None]], bool] | None = None,
 ) -> Forked:
     """Fork every clone of ``plan`` into a child of the warm parent; returns them once
     every clone has its snapshot of this worker's /tmp and /dev/shm. If any cannot be
@@ -422,9 +431,27 @@ def _fork_siblings(
                 if fd >= 0:
                     os.close(fd)
         if take_layer is not None:  # its clones wait for it (a failure: EOF, they exit)
-            words = (b"F" if take_layer() else b"N") * len(plan)
-            while words:  # a pipe takes up to 4 KiB at once (a signal may cut it short)
-                words = words[os.write(layer_write, words) :]
+            told: list[bool] = []
+            unsaid: list[OSError] = []
+
+            def tell(frozen: bool) -> None:
+                told.append(frozen)
+                words = (b"F" if frozen else b"N") * len(plan)
+                try:
+                    while words:  # a pipe takes up to 4 KiB at once (a signal may cut it)
+                        words = words[os.write(layer_write, words) :]
+                except OSError as exc:  # raised once the layer is taken, not before
+                    unsaid.append(exc)
+
+            frozen = take_layer(tell)
+            if not told:
+                tell(frozen)
+            if unsaid:
+                raise RuntimeError(
+                    f"fork: its clones were gone before its word on its /tmp layer "
+                    f"({unsaid[0]}): env code of theirs ended them as they were forked "
+                    "(an at-fork hook), or they were killed"
+                ) from unsaid[0]
         _await_snapshots(read_end, deadline)
     except BaseException:
         if made is not None:
