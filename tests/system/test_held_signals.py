@@ -89,7 +89,7 @@ def test_a_signal_while_the_handlers_are_put_back_leaves_nothing_held(ctrl_c, mo
     back already) raises there: later blocks hold again all the same."""
     from gym_fork.system import held_signals
 
-    put_back = signal.signal
+    put_back = held_signals._signal.signal  # what it puts handlers back with
 
     def put_back_then_ctrl_c(signum, handler):
         previous = put_back(signum, handler)
@@ -98,7 +98,7 @@ def test_a_signal_while_the_handlers_are_put_back_leaves_nothing_held(ctrl_c, mo
         return previous
 
     with pytest.raises(KeyboardInterrupt), held():
-        monkeypatch.setattr(signal, "signal", put_back_then_ctrl_c)
+        monkeypatch.setattr(held_signals._signal, "signal", put_back_then_ctrl_c)
     monkeypatch.undo()
     assert held_signals._holding is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
