@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .log import LineageLog
@@ -61,9 +61,10 @@ class LineageTree:
             self.branches[record.branch_id] = record
         if record.parent_branch_id is None and record.run is None:
             record.run = current_run(env_ids=self.inputs.get("env_ids") or [])
+        # Written as JSON at once: its fields as they are (plain data), not deep copies.
         event = {
             "event": "root_ready" if record.parent_branch_id is None else "branch_created",
-            **{k: v for k, v in asdict(record).items() if k != "events"},
+            **{f.name: getattr(record, f.name) for f in fields(record) if f.name != "events"},
         }
         if record.parent_branch_id is None:
             event["baseline_inputs"] = self.inputs
