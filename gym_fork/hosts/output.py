@@ -125,6 +125,9 @@ class OutputCollector:
         self.echo = echo
         self.limit = limit
         self._streams: dict[tuple[str, str], _Stream] = {}
+        # Each sandbox's read ends still open (a release touches only its own: a fork of
+        # 64 sandboxes releases 64, and each once drained every sandbox's pipes).
+        self._fds: dict[str, list[tuple[str, int]]] = {}
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._echo = _Echo() if echo else None
@@ -148,6 +151,7 @@ class OutputCollector:
                 escaper = self._echo.escaper(_ECHO_FD[name]) if self._echo else None
                 self._streams[(key, name)] = _Stream(self.limit, escaper)
                 self._selector.register(fd, selectors.EVENT_READ, (key, name))
+                self._fds.setdefault(key, []).append((name, fd))
         self._wake()
 
     def _wake(self) -> None:
@@ -156,23 +160,23 @@ class OutputCollector:
 
     def tail(self, key: str, stream: str = "stderr") -> str:
         """The last bytes a sandbox wrote on ``stream`` (decoded leniently)."""
-        self._drain_now()
         with self._lock:
+            self._drain(key)
             s = self._streams.get((key, stream))
             return s.tail().decode(errors="replace") if s else ""
 
     def forget(self, key: str) -> None:
-        """Stop keeping a sandbox's output (after its end has been reported)."""
-        self._drain_now()
+        """Stop keeping a sandbox's output (after its end has been reported): what it
+        wrote last is read (and echoed) first."""
         with self._lock:
+            self._drain(key)
             for name in ("stdout", "stderr"):
                 self._streams.pop((key, name), None)
             if self._closed:
                 return
-            for selector_key in list(self._selector.get_map().values()):
-                if selector_key.data and selector_key.data[0] == key:
-                    self._selector.unregister(selector_key.fd)
-                    os.close(selector_key.fd)
+            for _name, fd in self._fds.pop(key, []):
+                self._selector.unregister(fd)
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -189,13 +193,12 @@ class OutputCollector:
         self._selector.close()
         os.close(self._wake_w)
 
-    def _drain_now(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            for key in list(self._selector.get_map().values()):
-                if key.data is not None:
-                    self._read(key.fd, key.data)
+    def _drain(self, key: str) -> None:
+        """Read what sandbox ``key``'s pipes hold now (the lock held)."""
+        if self._closed:
+            return
+        for name, fd in list(self._fds.get(key, [])):
+            self._read(fd, (key, name))
 
     def _read(self, fd: int, data: tuple[str, str]) -> bool:
         """Read what is there; False at EOF (the fd is then unregistered and closed)."""
@@ -208,6 +211,11 @@ class OutputCollector:
         if not chunk:
             self._selector.unregister(fd)
             os.close(fd)
+            own = self._fds.get(data[0], [])
+            if (data[1], fd) in own:
+                own.remove((data[1], fd))
+            if not own:
+                self._fds.pop(data[0], None)
             return False
         stream = self._streams.get(data)
         if stream is not None:
