@@ -17,7 +17,8 @@ of the controller's) freezes the source's writes:
    (sandbox_isolation.adopt_frozen_layer). It forked its clones while the helper froze
    (gym_fork/hosts/process/sandbox.py: the freeze is off a fork's critical path), and
    tells them as soon as the helper's answer comes (before it adopts: its fds are not
-   theirs); each waits for that word before its namespaces. The freeze begins
+   theirs; where they fit on the cores), or once it has adopted its layer; each waits
+   for that word before its namespaces. The freeze begins
    once the source has said its env code is held off (ForkQuiet: its signals wait, its
    collector is off, until it has its new layer). A clone copies the
    source's mount namespace, slots included, and mounts its own /tmp over the same layers
