@@ -134,6 +134,45 @@ def test_a_branch_starts_from_the_frozen_workspace_and_each_side_writes_its_own(
         envs.close()
 
 
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(
+    CORES > 8, reason=f"{CORES} cores: a crowded fork would take {CORES + 1} clones"
+)
+def test_a_fork_of_more_clones_than_cores_stands_each_on_the_frozen_layer(monkeypatch):
+    """With more clones than cores (told of the layer once their source has adopted it),
+    every clone waits for the word before its namespaces and stands on the frozen
+    workspace, though the freeze comes late, and writes its own /tmp, as one clone
+    does."""
+    from gym_fork.hosts.process.layers import TmpLayers
+
+    envs = workspace_env()
+    try:
+        envs.call("write", "/tmp/ws/f3.txt", "before the fork\n")
+        freeze = TmpLayers.freeze
+
+        def late(self, source):
+            time.sleep(0.3)  # the clones are forked meanwhile: they must wait for it
+            return freeze(self, source)
+
+        monkeypatch.setattr(TmpLayers, "freeze", late)
+        branch = envs.fork("crowd", copies=CORES + 1)
+        monkeypatch.undo()
+        try:
+            assert branch.call("layers") == (1,) * (CORES + 1)
+            assert set(branch.call("read", "/tmp/ws/f3.txt")) == {"file 3\nbefore the fork\n"}
+            branch.call("write", "/tmp/ws/mine.txt", "x\n")  # appended: shared, it would grow
+            assert branch.call("read", "/tmp/ws/mine.txt") == ("x\n",) * (CORES + 1)
+            assert envs.call("read", "/tmp/ws/mine.txt")[0] is None
+            envs.call("write", "/tmp/ws/f3.txt", "after\n")
+            assert set(branch.call("read", "/tmp/ws/f3.txt")) == {"file 3\nbefore the fork\n"}
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
 def test_a_deleted_file_and_a_replaced_directory_stay_so_in_later_layers():
     """A whiteout and an opaque directory written over a frozen layer hold in the next
     one (every layer's overlay marks them alike: user.* xattrs, char 0/0 whiteouts)."""
