@@ -174,9 +174,10 @@ class OutputCollector:
                 self._streams.pop((key, name), None)
             if self._closed:
                 return
-            for _name, fd in self._fds.pop(key, []):
-                self._selector.unregister(fd)
-                os.close(fd)
+            for name, fd in self._fds.pop(key, []):
+                if self._registered(fd, (key, name)):
+                    self._selector.unregister(fd)
+                    os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -198,7 +199,13 @@ class OutputCollector:
         if self._closed:
             return
         for name, fd in list(self._fds.get(key, [])):
-            self._read(fd, (key, name))
+            if self._registered(fd, (key, name)):
+                self._read(fd, (key, name))
+
+    def _registered(self, fd: int, data: tuple[str, str]) -> bool:
+        """Is ``fd`` still the pipe registered for ``data`` (the lock held)?"""
+        registered = self._selector.get_map().get(fd)
+        return registered is not None and registered.data == data
 
     def _read(self, fd: int, data: tuple[str, str]) -> bool:
         """Read what is there; False at EOF (the fd is then unregistered and closed)."""
@@ -236,5 +243,7 @@ class OutputCollector:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                         continue
-                    if key.fd in self._selector.get_map():
+                    # The same registration only: an event of a forgotten sandbox's fd,
+                    # whose number another's pipe took meanwhile, is stale.
+                    if self._selector.get_map().get(key.fd) is key:
                         self._read(key.fd, key.data)

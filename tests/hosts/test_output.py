@@ -141,3 +141,54 @@ def test_forgetting_a_sandbox_closes_all_its_pipes_and_only_its_own():
             os.close(fd)
     finally:
         output.close()
+
+
+def test_a_stale_event_of_a_forgotten_sandboxs_fd_reused_by_another_is_ignored():
+    """The collector's thread may hold an event for a sandbox forgotten meanwhile, whose
+    fd number a new sandbox's pipe took: handled as the old one's, it closed the new
+    pipe and left it listed, and the new sandbox's release then read (and would close)
+    whatever fd took that number next (a reviewer's repro: an unrelated pipe drained)."""
+    import threading
+
+    from gym_fork.hosts.output import OutputCollector
+
+    output = OutputCollector(echo=False)
+    selector = output._selector
+    real_select = selector.select
+    paused, resume, armed = threading.Event(), threading.Event(), [False]
+
+    def select(timeout=None):
+        events = real_select(timeout)
+        if armed[0] and any(key.data and key.data[0] == "a" for key, _ in events):
+            armed[0] = False
+            paused.set()
+            resume.wait(5)  # "a" is forgotten and "b" watched meanwhile
+        return events
+
+    selector.select = select
+    try:
+        (a_out, a_out_w), (a_err, a_err_w) = output.new_pipes()
+        output.watch("a", a_out, a_err)
+        armed[0] = True
+        os.write(a_err_w, b"a's line")
+        assert paused.wait(5)
+        os.close(a_out_w)
+        os.close(a_err_w)
+        output.forget("a")
+        (b_out, b_out_w), (b_err, b_err_w) = output.new_pipes()
+        output.watch("b", b_out, b_err)
+        os.write(b_err_w, b"b's line")
+        resume.set()
+        time.sleep(0.2)  # the thread handles its stale event (or, rightly, ignores it)
+        os.fstat(b_out)  # still b's, still open
+        os.fstat(b_err)
+        assert output.tail("b") == "b's line"
+        output.forget("b")
+        for fd in (b_out, b_err):
+            with pytest.raises(OSError):
+                os.fstat(fd)
+        os.close(b_out_w)
+        os.close(b_err_w)
+    finally:
+        resume.set()
+        output.close()
