@@ -1707,18 +1707,25 @@ class ClonesDieAtFork(Workspace):
             sandbox._take_frozen_layer = take
         ClonesDieAtFork.armed = armed
 
+    def die_on_sigpipe(self):
+        import signal
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as a command-line tool may
+
 
 def test_a_source_whose_clones_died_before_its_word_still_takes_its_layer():
     """A source tells its clones of its new layer before it adopts it (their mount
     namespaces copy the helper's mounts, not its fds). Clones gone by then (the pipe
     refuses the word) fail the fork only once the source has its layer: it works on in
     /tmp (its working directory re-entered, not left on the sealed frozen layer), and
-    forks again."""
+    forks again. The pipe's SIGPIPE is not the source's end, even where its env made
+    SIGPIPE deadly."""
     envs = ForkVectorEnv([ClonesDieAtFork], lineage_log=False)
     try:
         envs.reset(seed=0)
         envs.call("write", "/tmp/ws/f.txt", "before\n")
         envs.call("enter", "/tmp/ws")
+        envs.call("die_on_sigpipe")
         envs.call("arm", True)
         with pytest.raises(Exception, match="clones were gone before its word"):
             envs.fork("b0")
@@ -1730,6 +1737,56 @@ def test_a_source_whose_clones_died_before_its_word_still_takes_its_layer():
             assert branch.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
             branch.call("write_here", "f.txt", "branch\n")
             assert envs.call("read", "/tmp/ws/f.txt")[0] == "before\nafter\n"
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+class SignalledSlowCopies(Workspace):
+    """A Workspace whose signal handler (SIGUSR1) writes /tmp, and whose clones take
+    0.3 s to copy its /tmp writes (no frozen layers: each clone copies them)."""
+
+    def arm(self):
+        import signal
+
+        from gym_fork.system import sandbox_isolation
+
+        copy = sandbox_isolation.copy_tree
+
+        def slow_copy(*args, **kwargs):
+            time.sleep(0.3)  # in a clone: its source's signal comes meanwhile
+            return copy(*args, **kwargs)
+
+        sandbox_isolation.copy_tree = slow_copy
+        signal.signal(signal.SIGUSR1, lambda *_: self.write("/tmp/ws/signalled.txt", "late\n"))
+
+
+def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(monkeypatch):
+    """Where no layer is frozen (its clones copy its /tmp writes), a source's env code
+    waits from its FORK until every clone has its copy: a handler writing /tmp meanwhile
+    would be in the copies, a branch starting after its fork point. The signal is not
+    lost: the source writes once its clones have copied."""
+    import signal
+    import threading
+
+    monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
+    envs = ForkVectorEnv([SignalledSlowCopies], lineage_log=False)
+    try:
+        envs.reset(seed=0)
+        envs.call("write", "/tmp/ws/f.txt", "x\n")
+        envs.call("arm")
+        source = envs.worker_pids[0]
+        timer = threading.Timer(0.15, os.kill, (source, signal.SIGUSR1))
+        timer.start()
+        try:
+            branch = envs.fork("b")
+        finally:
+            timer.join()
+        try:
+            assert branch.call("read", "/tmp/ws/f.txt") == ("x\n",)
+            assert branch.call("read", "/tmp/ws/signalled.txt") == (None,)
+            assert wait_until(lambda: envs.call("read", "/tmp/ws/signalled.txt") == ("late\n",))
         finally:
             branch.close()
     finally:

@@ -23,9 +23,11 @@ commit.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -156,7 +158,9 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     fork_id = arg.get("fork_id")
     if type(fork_id) is not int:
         raise TypeError(f"fork: a FORK's id must be an int, got {fork_id!r}")
-    # From now until its /tmp is final (the freeze begins once it says so: ForkQuiet).
+    # From now until its /tmp is final for its clones (the freeze begins once it says so:
+    # ForkQuiet): its new layer taken, or where none comes (they copy its writes), their
+    # snapshots taken (a signal handler writing /tmp meanwhile would be in their copies).
     _hold_env_code_off()
     try:
         handed, fds = M.receive_for(
@@ -171,19 +175,15 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     # whatever fails first: its /tmp stands on that layer.
     layer_taken = [not handed.layer_follows]
     layer_ms = [0.0]  # its time on the layer: the swap as it lives it (benchmarks)
-    if layer_taken[0]:
-        _let_env_code_run()  # no layer comes: its /tmp stays as it is
 
     def take_layer(tell: Callable[[bool], None] | None = None) -> bool:
         layer_taken[0] = True
         started = time.perf_counter()
-        try:
-            frozen = _take_frozen_layer(worker, fork_id, tell)
-            if frozen:
-                layer_ms[0] = (time.perf_counter() - started) * 1e3
-            return frozen
-        finally:
-            _let_env_code_run()  # its /tmp is final: what it writes now is its own
+        frozen = _take_frozen_layer(worker, fork_id, tell)
+        if frozen:
+            layer_ms[0] = (time.perf_counter() - started) * 1e3
+            _let_env_code_run()  # its clones stand on the frozen layer: its /tmp is its own
+        return frozen
 
     try:
         if not layer_taken[0]:  # the controller asks the freeze once it hears this
@@ -265,7 +265,8 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
 
 
 # While a source's /tmp may be swapped under it (from its FORK until it has taken its
-# new layer), its env code in this thread must not write /tmp (a signal handler, a
+# new layer; where no layer comes, until its clones have copied it), its env code in
+# this thread must not write /tmp (a signal handler, a
 # finalizer the collector runs): a single-threaded source forks before it takes its
 # layer, and a write between the helper's mount of the new /tmp and the fork would land
 # in the new layer, which its clones, forked holding the old one, would not copy; and a
@@ -439,11 +440,16 @@ def _fork_siblings(
             def tell(frozen: bool) -> None:
                 told.append(frozen)
                 words = (b"F" if frozen else b"N") * len(plan)
+                mask = block_signals()  # an env's SIGPIPE handler (SIG_DFL: death) waits
                 try:
-                    while words:  # a pipe takes up to 4 KiB at once (a signal may cut it)
+                    while words:  # a pipe takes up to 4 KiB at once
                         words = words[os.write(layer_write, words) :]
                 except OSError as exc:  # raised once the layer is taken, not before
                     unsaid.append(exc)
+                    if exc.errno == errno.EPIPE:  # every clone gone: not this worker's end
+                        signal.sigtimedwait([signal.SIGPIPE], 0)
+                finally:
+                    restore_signals(mask)
 
             # More clones than cores: their births would take the cores from its own
             # adoption (its layer time 1.2 -> 6.6 ms at 8 clones, 2.5 -> 10-52 at 64,
