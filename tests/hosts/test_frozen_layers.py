@@ -1637,6 +1637,23 @@ def test_a_sources_word_on_its_swap_is_kept_only_where_a_swap_could_take_it():
     assert layers.swap_ms == [0.75]
 
 
+def _fork_signalled_midway(envs):
+    """A branch "b" of ``envs`` (reset, /tmp/ws/f.txt written, its handler armed) whose
+    source gets SIGUSR1 0.15 s into the fork."""
+    import signal
+    import threading
+
+    envs.reset(seed=0)
+    envs.call("write", "/tmp/ws/f.txt", "x\n")
+    envs.call("arm")
+    timer = threading.Timer(0.15, os.kill, (envs.worker_pids[0], signal.SIGUSR1))
+    timer.start()
+    try:
+        return envs.fork("b")
+    finally:
+        timer.join()
+
+
 class Signalled(Workspace):
     """A Workspace whose env code runs from a signal handler too (SIGUSR1)."""
 
@@ -1658,22 +1675,10 @@ def test_a_sources_signal_handlers_wait_until_its_tmp_is_final(monkeypatch):
     says so (ForkQuiet): a handler writing /tmp meanwhile could land in no layer its
     clones hold (a reviewer's timer handler lost writes in 14 of 30 forks), or in the
     frozen one once read-only (EROFS). The signal is not lost: it comes after."""
-    import signal
-    import threading
-
     envs = ForkVectorEnv([Signalled], lineage_log=False)
     try:
-        envs.reset(seed=0)
-        envs.call("write", "/tmp/ws/f.txt", "x\n")
-        envs.call("arm")
         sent_at = _layers_sent_late(monkeypatch)
-        source = envs.worker_pids[0]
-        timer = threading.Timer(0.15, os.kill, (source, signal.SIGUSR1))
-        timer.start()
-        try:
-            branch = envs.fork("b")
-        finally:
-            timer.join()
+        branch = _fork_signalled_midway(envs)
         monkeypatch.undo()
         try:
             (ran,) = envs.call("ran")
@@ -1767,22 +1772,10 @@ def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(mon
     waits from its FORK until every clone has its copy: a handler writing /tmp meanwhile
     would be in the copies, a branch starting after its fork point. The signal is not
     lost: the source writes once its clones have copied."""
-    import signal
-    import threading
-
     monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
     envs = ForkVectorEnv([SignalledSlowCopies], lineage_log=False)
     try:
-        envs.reset(seed=0)
-        envs.call("write", "/tmp/ws/f.txt", "x\n")
-        envs.call("arm")
-        source = envs.worker_pids[0]
-        timer = threading.Timer(0.15, os.kill, (source, signal.SIGUSR1))
-        timer.start()
-        try:
-            branch = envs.fork("b")
-        finally:
-            timer.join()
+        branch = _fork_signalled_midway(envs)
         try:
             assert branch.call("read", "/tmp/ws/f.txt") == ("x\n",)
             assert branch.call("read", "/tmp/ws/signalled.txt") == (None,)
