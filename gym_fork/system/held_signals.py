@@ -16,7 +16,7 @@ to the outermost block's end.
 
 from __future__ import annotations
 
-import _signal  # the C functions under signal (why: HELD)
+import _signal  # type: ignore[import-not-found]  # the C functions under signal (why: HELD)
 import os
 import signal
 import threading
