@@ -1637,21 +1637,32 @@ def test_a_sources_word_on_its_swap_is_kept_only_where_a_swap_could_take_it():
     assert layers.swap_ms == [0.75]
 
 
-def _fork_signalled_midway(envs):
-    """A branch "b" of ``envs`` (reset, /tmp/ws/f.txt written, its handler armed) whose
-    source gets SIGUSR1 0.15 s into the fork."""
+def _fork_signalled_midway(envs, *arm, burst=False):
+    """A branch "b" of ``envs`` (reset, /tmp/ws/f.txt written, its handler armed with
+    ``arm``) whose source gets SIGUSR1 0.15 s into the fork (``burst``: every ms of it
+    from its start, so that some land while its main thread runs Python, not only while
+    it waits)."""
     import signal
     import threading
 
     envs.reset(seed=0)
     envs.call("write", "/tmp/ws/f.txt", "x\n")
-    envs.call("arm")
-    timer = threading.Timer(0.15, os.kill, (envs.worker_pids[0], signal.SIGUSR1))
-    timer.start()
+    envs.call("arm", *arm)
+    source, done = envs.worker_pids[0], threading.Event()
+
+    def send() -> None:
+        if not done.wait(0.001 if burst else 0.15):
+            os.kill(source, signal.SIGUSR1)
+        while burst and not done.wait(0.001):
+            os.kill(source, signal.SIGUSR1)
+
+    sender = threading.Thread(target=send)
+    sender.start()
     try:
         return envs.fork("b")
     finally:
-        timer.join()
+        done.set()
+        sender.join()
 
 
 class Signalled(Workspace):
@@ -1752,11 +1763,15 @@ class SignalledSlowCopies(Workspace):
     """A Workspace whose signal handler (SIGUSR1) writes /tmp, and whose clones take
     0.3 s to copy its /tmp writes (no frozen layers: each clone copies them)."""
 
-    def arm(self):
+    def arm(self, threaded=False):
         import signal
+        import threading
 
         from gym_fork.system import sandbox_isolation
 
+        if threaded:  # a signal to the process may go to this thread: its handler runs all
+            # the same, in the main thread, at its next bytecode
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
         copy = sandbox_isolation.copy_tree
 
         def slow_copy(*args, **kwargs):
@@ -1767,19 +1782,24 @@ class SignalledSlowCopies(Workspace):
         signal.signal(signal.SIGUSR1, lambda *_: self.write("/tmp/ws/signalled.txt", "late\n"))
 
 
-def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(monkeypatch):
+@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "with-a-thread"])
+def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(monkeypatch, threaded):
     """Where no layer is frozen (its clones copy its /tmp writes), a source's env code
     waits from its FORK until every clone has its copy: a handler writing /tmp meanwhile
-    would be in the copies, a branch starting after its fork point. The signal is not
-    lost: the source writes once its clones have copied."""
+    would be in the copies, a branch starting after its fork point; with a thread of its
+    own too (the signal goes to that thread, the handler still runs in the main one: a
+    reviewer's source wrote 3 such lines into its branch). The signal is not lost: the
+    source writes once its clones have copied."""
     monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
     envs = ForkVectorEnv([SignalledSlowCopies], lineage_log=False)
     try:
-        branch = _fork_signalled_midway(envs)
+        branch = _fork_signalled_midway(envs, threaded, burst=threaded)
         try:
             assert branch.call("read", "/tmp/ws/f.txt") == ("x\n",)
             assert branch.call("read", "/tmp/ws/signalled.txt") == (None,)
-            assert wait_until(lambda: envs.call("read", "/tmp/ws/signalled.txt") == ("late\n",))
+            assert wait_until(
+                lambda: (envs.call("read", "/tmp/ws/signalled.txt")[0] or "").startswith("late")
+            )
         finally:
             branch.close()
     finally:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gym_fork.hosts.process import messages as M
-from gym_fork.system import cgroups, layer_slots
+from gym_fork.system import cgroups, env_code_hold, layer_slots
 from gym_fork.system.birth import Role
 from gym_fork.system.children import read_until_closed
 from gym_fork.system.fan_out import Forked, fork_all
@@ -161,13 +161,13 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
     # From now until its /tmp is final for its clones (the freeze begins once it says so:
     # ForkQuiet): its new layer taken, or where none comes (they copy its writes), their
     # snapshots taken (a signal handler writing /tmp meanwhile would be in their copies).
-    _hold_env_code_off()
+    env_code_hold.hold()
     try:
         handed, fds = M.receive_for(
             worker.sock, fork_id, M.CloneFds, SIDE_TIMEOUT_S, "clone fds", _late
         )
     except BaseException:
-        _let_env_code_run()
+        env_code_hold.release()
         raise
     # The layer helper is freezing its /tmp writes now (``layer_follows``): the clones
     # are forked meanwhile and wait, before their namespaces, until this worker has
@@ -182,7 +182,7 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
         frozen = _take_frozen_layer(worker, fork_id, tell)
         if frozen:
             layer_ms[0] = (time.perf_counter() - started) * 1e3
-            _let_env_code_run()  # its clones stand on the frozen layer: its /tmp is its own
+            env_code_hold.release()  # its clones stand on the frozen layer: its /tmp is its own
         return frozen
 
     try:
@@ -259,41 +259,9 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
                 with contextlib.suppress(Exception):
                     take_layer()
         finally:
-            _let_env_code_run()
+            env_code_hold.release()
             for fd in fds:
                 os.close(fd)
-
-
-# While a source's /tmp may be swapped under it (from its FORK until it has taken its
-# new layer; where no layer comes, until its clones have copied it), its env code in
-# this thread must not write /tmp (a signal handler, a
-# finalizer the collector runs): a single-threaded source forks before it takes its
-# layer, and a write between the helper's mount of the new /tmp and the fork would land
-# in the new layer, which its clones, forked holding the old one, would not copy; and a
-# write through a lookup begun before that mount lands in the frozen layer (read-only
-# once sealed). (signal mask, the collector was on) meanwhile; a clone forked then lets
-# it go after its set-up. Other threads of a source run on: it takes its layer first.
-_held_off: tuple[Any, bool] | None = None
-
-
-def _hold_env_code_off() -> None:
-    """Block every signal (handlers wait) and stop the collector, until
-    :func:`_let_env_code_run`."""
-    global _held_off
-    if _held_off is None:
-        _held_off = (block_signals(), gc.isenabled())
-        gc.disable()
-
-
-def _let_env_code_run() -> None:
-    """Undo :func:`_hold_env_code_off` (nothing where it was not held off)."""
-    global _held_off
-    held, _held_off = _held_off, None
-    if held is not None:
-        mask, collecting = held
-        if collecting:
-            gc.enable()
-        restore_signals(mask)
 
 
 def _take_frozen_layer(
@@ -551,7 +519,7 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         if fan.layer >= 0:
             _await_layer(fan.layer, fan.deadline)
         child.enter_sandbox(Role.CLONE, copy_from=worker.scratch)
-        _let_env_code_run()  # held off in its source as it was forked: its own now
+        env_code_hold.release(replay=False)  # held off in its source: its own now
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
