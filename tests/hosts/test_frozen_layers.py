@@ -1637,32 +1637,21 @@ def test_a_sources_word_on_its_swap_is_kept_only_where_a_swap_could_take_it():
     assert layers.swap_ms == [0.75]
 
 
-def _fork_signalled_midway(envs, *arm, burst=False):
+def _fork_signalled_midway(envs, *arm):
     """A branch "b" of ``envs`` (reset, /tmp/ws/f.txt written, its handler armed with
-    ``arm``) whose source gets SIGUSR1 0.15 s into the fork (``burst``: every ms of it
-    from its start, so that some land while its main thread runs Python, not only while
-    it waits)."""
+    ``arm``) whose source gets SIGUSR1 0.15 s into the fork."""
     import signal
     import threading
 
     envs.reset(seed=0)
     envs.call("write", "/tmp/ws/f.txt", "x\n")
     envs.call("arm", *arm)
-    source, done = envs.worker_pids[0], threading.Event()
-
-    def send() -> None:
-        if not done.wait(0.001 if burst else 0.15):
-            os.kill(source, signal.SIGUSR1)
-        while burst and not done.wait(0.001):
-            os.kill(source, signal.SIGUSR1)
-
-    sender = threading.Thread(target=send)
-    sender.start()
+    timer = threading.Timer(0.15, os.kill, (envs.worker_pids[0], signal.SIGUSR1))
+    timer.start()
     try:
         return envs.fork("b")
     finally:
-        done.set()
-        sender.join()
+        timer.join()
 
 
 class Signalled(Workspace):
@@ -1763,15 +1752,11 @@ class SignalledSlowCopies(Workspace):
     """A Workspace whose signal handler (SIGUSR1) writes /tmp, and whose clones take
     0.3 s to copy its /tmp writes (no frozen layers: each clone copies them)."""
 
-    def arm(self, threaded=False):
+    def arm(self, raises=False):
         import signal
-        import threading
 
         from gym_fork.system import sandbox_isolation
 
-        if threaded:  # a signal to the process may go to this thread: its handler runs all
-            # the same, in the main thread, at its next bytecode
-            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
         copy = sandbox_isolation.copy_tree
 
         def slow_copy(*args, **kwargs):
@@ -1779,27 +1764,49 @@ class SignalledSlowCopies(Workspace):
             return copy(*args, **kwargs)
 
         sandbox_isolation.copy_tree = slow_copy
-        signal.signal(signal.SIGUSR1, lambda *_: self.write("/tmp/ws/signalled.txt", "late\n"))
+
+        def handler(*_):
+            if raises:  # as an env's SIGALRM timeout does
+                raise TimeoutError("the env's own timeout")
+            self.write("/tmp/ws/signalled.txt", "late\n")
+
+        signal.signal(signal.SIGUSR1, handler)
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread", "with-a-thread"])
-def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(monkeypatch, threaded):
+def test_a_sources_signal_handler_waits_until_its_clones_have_copied_its_tmp(monkeypatch):
     """Where no layer is frozen (its clones copy its /tmp writes), a source's env code
     waits from its FORK until every clone has its copy: a handler writing /tmp meanwhile
-    would be in the copies, a branch starting after its fork point; with a thread of its
-    own too (the signal goes to that thread, the handler still runs in the main one: a
-    reviewer's source wrote 3 such lines into its branch). The signal is not lost: the
-    source writes once its clones have copied."""
+    would be in the copies, a branch starting after its fork point. The signal is not
+    lost: the source writes once its clones have copied."""
     monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
     envs = ForkVectorEnv([SignalledSlowCopies], lineage_log=False)
     try:
-        branch = _fork_signalled_midway(envs, threaded, burst=threaded)
+        branch = _fork_signalled_midway(envs)
         try:
             assert branch.call("read", "/tmp/ws/f.txt") == ("x\n",)
             assert branch.call("read", "/tmp/ws/signalled.txt") == (None,)
-            assert wait_until(
-                lambda: (envs.call("read", "/tmp/ws/signalled.txt")[0] or "").startswith("late")
-            )
+            assert wait_until(lambda: envs.call("read", "/tmp/ws/signalled.txt") == ("late\n",))
+        finally:
+            branch.close()
+    finally:
+        envs.close()
+
+
+def test_a_source_whose_held_signal_handler_raises_fails_its_fork_and_leaves_no_clone(
+    monkeypatch,
+):
+    """A handler that raises (an env's own timeout) when the source's env code runs
+    again fails the FORK before its clones are announced: they are killed, none is left
+    to the tree, and the source forks again."""
+    monkeypatch.setenv("GYM_FORK_TMP_LAYERS", "0")
+    envs = ForkVectorEnv([SignalledSlowCopies], lineage_log=False)
+    try:
+        with pytest.raises(Exception, match="the env's own timeout"):
+            _fork_signalled_midway(envs, True)
+        envs.call("arm", False)
+        branch = envs.fork("c")
+        try:
+            assert branch.call("read", "/tmp/ws/f.txt") == ("x\n",)
         finally:
             branch.close()
     finally:

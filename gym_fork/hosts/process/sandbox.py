@@ -434,6 +434,9 @@ def _fork_siblings(
                     "(an at-fork hook), or they were killed"
                 ) from unsaid[0]
         _await_snapshots(read_end, deadline)
+        # Its /tmp is final for its clones: its env code runs again, here, where a signal
+        # handler that raises fails the FORK with its clones killed (not once announced).
+        env_code_hold.release()
     except BaseException:
         if made is not None:
             made.kill()
@@ -521,7 +524,7 @@ def _become_clone(fan: _FanOut, clone: _Clone, close: list[tuple[int, int]]) -> 
         if fan.layer >= 0:
             _await_layer(fan.layer, fan.deadline)
         child.enter_sandbox(Role.CLONE, copy_from=worker.scratch)
-        env_code_hold.release(replay=False)  # held off in its source: its own now
+        env_code_hold.release()  # held off in its source as it was forked: its own now
         os.close(snapshot)
         child.become_clone(clone.slot.index, clone.branch_index, clone.seed, fan.num_envs)
         if fan.gate >= 0:
