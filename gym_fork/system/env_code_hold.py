@@ -49,10 +49,20 @@ def held() -> bool:
 def hold() -> None:
     """Hold env code off until :func:`release` (nothing more where it is held already)."""
     global _held
-    if _held is None:
-        collecting = gc.isenabled()
-        _held = _Hold(block_signals(), collecting)
+    if _held is not None:
+        return
+    mask, collecting = None, gc.isenabled()
+    try:  # a handler run meanwhile (another thread took its signal) may raise: all undone
+        mask = block_signals()
         gc.disable()
+        _held = _Hold(mask, collecting)
+    except BaseException:
+        _held = None
+        if collecting:
+            gc.enable()
+        if mask is not None:
+            restore_signals(mask)
+        raise
 
 
 def release() -> None:
