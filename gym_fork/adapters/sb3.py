@@ -24,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.utils import concatenate, create_empty_array
+from gymnasium.vector.utils import concatenate
 from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnv,
     VecEnvIndices,
@@ -37,6 +37,7 @@ from gym_fork.adapters.bridge import BridgedEnvFn
 from gym_fork.adapters.infos import unbatch_infos
 from gym_fork.adapters.sb3_wrappers import check_carried, copy_wrappers
 from gym_fork.errors import BadActionError
+from gym_fork.vector.spaces import empty_batch
 
 __all__ = ["ForkVecEnv", "fork_wrapped"]
 
@@ -82,7 +83,7 @@ def sb3_actions(space: gym.Space, actions: Any, num_envs: int) -> Any:
     if len(items) != num_envs:
         raise BadActionError(f"{len(items)} SB3 actions for {num_envs} sub-envs")
     try:
-        return concatenate(space, items, create_empty_array(space, num_envs))
+        return concatenate(space, items, empty_batch(space, num_envs))
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise BadActionError(
             f"SB3 actions that do not fit the action space {space}: {exc!r}"

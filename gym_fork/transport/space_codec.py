@@ -130,7 +130,9 @@ register_space(
 register_space(
     spaces.Text,
     "text",
-    lambda s: {"max": s.max_length, "min": s.min_length, "charset": "".join(s.character_set)},
+    # The charset in its own order (a set's order changes with each interpreter's hash
+    # seed, and with it what a seeded sample() draws).
+    lambda s: {"max": s.max_length, "min": s.min_length, "charset": "".join(s.character_list)},
     lambda d, _t: spaces.Text(int(d["max"]), min_length=int(d["min"]), charset=str(d["charset"])),
 )
 register_space(

@@ -14,6 +14,8 @@ way.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from gymnasium import spaces
@@ -60,5 +62,62 @@ def decode(space: spaces.Text, row: np.ndarray) -> str:
     if tables is None:
         return "".join(characters[c] for c in row.tolist() if 0 <= c < count)
     chars, _index_of = tables
+    # One read of the row: a sandbox may rewrite it meanwhile, and a code read again
+    # after the mask was taken could index past the charset.
+    row = np.array(row, np.int32)
     codes = row[(row >= 0) & (row < count)]
     return chars[codes].tobytes().decode("utf-32-le")
+
+
+def has_text(space: spaces.Space) -> bool:
+    """Whether ``space`` is a Text space or holds one (in a Dict, Tuple or Sequence)."""
+    if isinstance(space, spaces.Text):
+        return True
+    if isinstance(space, spaces.Dict):
+        return any(has_text(child) for child in space.spaces.values())
+    if isinstance(space, spaces.Tuple):
+        return any(has_text(child) for child in space.spaces)
+    if isinstance(space, spaces.Sequence):
+        return has_text(space.feature_space)
+    return False
+
+
+def misfit(space: spaces.Space, value: Any) -> str | None:
+    """What is wrong with the Text parts of ``value`` for ``space``, or None: each must be
+    a str of at most ``max_length`` characters of its charset, what a slab row holds.
+    Other leaves are not looked at (as AsyncVectorEnv looks at none); nor is
+    ``min_length`` (as a Box's bounds are not)."""
+    if isinstance(space, spaces.Text):
+        if not isinstance(value, str):
+            return f"expected a str, got {type(value).__name__}"
+        if len(value) > space.max_length:
+            return f"a str of {len(value)} characters (at most {space.max_length})"
+        try:
+            encode(space, value)
+        except (KeyError, ValueError) as exc:
+            bad = exc.args[0] if exc.args and isinstance(exc.args[0], str) else "?"
+            return f"the character {ascii(bad)[:16]} is not in its charset"
+        return None
+    if isinstance(space, spaces.Dict):
+        if not isinstance(value, Mapping):
+            return f"expected a dict, got {type(value).__name__}"
+        for key, child in space.spaces.items():
+            if key not in value:
+                return f"no key {key!r}"
+            found = misfit(child, value[key])
+            if found:
+                return f"[{key!r}]: {found}"
+        return None
+    if isinstance(space, spaces.Tuple | spaces.Sequence):
+        if not isinstance(value, tuple | list):
+            return None if isinstance(space, spaces.Sequence) else "expected a tuple"
+        children = (
+            space.spaces if isinstance(space, spaces.Tuple) else [space.feature_space] * len(value)
+        )
+        if len(children) != len(value):
+            return f"expected {len(children)} entries, got {len(value)}"
+        for k, (child, item) in enumerate(zip(children, value, strict=True)):
+            found = misfit(child, item)
+            if found:
+                return f"[{k}]: {found}"
+    return None

@@ -29,7 +29,7 @@ from gym_fork.worker import protocol as P
 from .faults import errors_exception, timed_out
 from .frontend import SENDING, AsyncFrontEnd, AsyncState, is_int
 from .pool import Watching
-from .spaces import empty_batch
+from .spaces import check_ring_observations, empty_batch
 from .waits import Deadline, WaitTimeout
 
 
@@ -178,6 +178,7 @@ def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.nd
         if env._obs_in_slab:
             observations.append(slab.observations.read(0))
         else:
+            check_ring_observations(single, obs_list[:1], [index], env.config.trusted)
             observations.append(obs_list[0])
         if op == P.STEP:
             rewards[j] = slab.rewards[0]

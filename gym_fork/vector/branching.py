@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import concatenate, iterate
 
 from gym_fork import notices, progress
 from gym_fork.gpu import ForkUnsafeError, cuda_evidence
@@ -25,6 +24,7 @@ from .burial import bury
 from .frontend import ForkPlan
 from .lifecycle import Sandboxes
 from .opening import Opened
+from .spaces import empty_batch
 
 
 def check_forkable(workers: list[WorkerHandle], pool) -> None:
@@ -183,6 +183,5 @@ def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
     if branch.slabs.observation_layout is not None:
         return branch.slabs.observations()
     rows = list(iterate(source_spaces.observation_space, source_observations))
-    # create_empty_array is typed as possibly None; for a space with n=... it never is.
-    out: Any = create_empty_array(single, n=len(plan.sources), fn=np.zeros)
+    out: Any = empty_batch(single, len(plan.sources))
     return concatenate(single, [rows[i] for i in plan.sources], out)

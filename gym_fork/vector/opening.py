@@ -10,16 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-from gymnasium.vector.utils import create_empty_array
-
 from gym_fork.errors import SandboxStartError
 from gym_fork.transport.layout import async_shares, slab_node
 from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 
 from .config import VectorConfig
 from .lifecycle import Sandboxes
-from .spaces import VectorSpaces, check_attached
+from .spaces import VectorSpaces, check_attached, empty_batch
 
 
 @dataclass
@@ -50,9 +47,7 @@ def open_root(config: VectorConfig) -> Opened:
                 config.observation_mode, hellos, trusted=config.trusted
             )
             obs_in_slab = attach(sandboxes, spaces)
-            observations = create_empty_array(
-                spaces.single_observation_space, n=config.num_envs, fn=np.zeros
-            )
+            observations = empty_batch(spaces.single_observation_space, config.num_envs)
         except MemoryError as exc:  # a space cheap to declare, too big to batch or hold
             raise SandboxStartError(
                 f"the spaces the sub-envs declare need more memory than this machine "

@@ -17,6 +17,7 @@ from gymnasium.vector.utils import concatenate
 from .config import VectorConfig
 from .frontend import AsyncState
 from .lifecycle import Sandboxes
+from .spaces import check_ring_observations
 from .waits import WaitTimeout
 
 
@@ -57,13 +58,17 @@ class Results:
         into ``self.observations``."""
         infos: dict[str, Any] = {}
         observations: list[Any] = []
+        indices: list[int] = []
         for worker, (obs_list, info_list) in zip(self.sandboxes.pool.workers, replies, strict=True):
             if info_list is not None:
                 for k, index in enumerate(worker.indices):
                     infos = self._add_info(infos, info_list[k], index)
             if not self._obs_in_slab:
                 observations.extend(obs_list)
+                indices.extend(worker.indices)
         if not self._obs_in_slab:
+            single, trusted = self.single_observation_space, self.config.trusted
+            check_ring_observations(single, observations, indices, trusted)
             self.observations = concatenate(
                 self.single_observation_space, observations, self.observations
             )

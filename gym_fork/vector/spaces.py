@@ -17,7 +17,8 @@ from gymnasium.vector.utils import (
     iterate,
 )
 
-from gym_fork.errors import BadActionError, SandboxStartError
+from gym_fork.errors import BadActionError, BadObservationError, SandboxStartError
+from gym_fork.transport import text_codes
 from gym_fork.transport.layout import leaf_values
 from gym_fork.transport.layout import leaves as slab_leaves
 from gym_fork.transport.slab import SlabSet
@@ -25,12 +26,40 @@ from gym_fork.transport.space_codec import SpaceRefused, space_from_data
 
 
 def empty_batch(space: Space, n: int) -> tuple[Any, ...] | dict[str, Any] | np.ndarray:
-    """``create_empty_array(space, n, np.zeros)``: the buffer ``concatenate`` fills. Its
-    annotation allows None, which it never returns (refused here if it ever did)."""
+    """``create_empty_array(space, n, np.zeros)``: the buffer ``concatenate`` fills, but
+    with "" for each Text entry. Gymnasium's holds ``min_length`` characters per entry:
+    a sandbox declaring ``Text(2**30, min_length=2**30)`` cost the controller 1 GiB per
+    sub-env (concatenate returns the texts themselves, never this buffer's)."""
+    if isinstance(space, spaces.Text):
+        return ("",) * n
+    if isinstance(space, spaces.Dict):
+        return {key: empty_batch(child, n) for key, child in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(empty_batch(child, n) for child in space.spaces)
     batch = create_empty_array(space, n=n, fn=np.zeros)
-    if batch is None:
+    if batch is None:  # its annotation allows None, which it never returns
         raise TypeError(f"{space} has no batch buffer")
     return batch
+
+
+def check_ring_observations(
+    space: Space, observations: list[Any], indices: list[int], trusted: bool
+) -> None:
+    """Observations an untrusted sandbox sent in ring records (``shared_memory=False``,
+    or a space without a slab layout): their Text parts must be what a slab row would
+    hold (a str of the charset, at most ``max_length``), as its worker checked them;
+    else BadObservationError naming the sub-env. A ``trusted`` vector env's are not
+    looked at (its sandboxes may send any object), nor is any other leaf (AsyncVectorEnv
+    looks at none)."""
+    if trusted or not text_codes.has_text(space):
+        return
+    for index, obs in zip(indices, observations, strict=True):
+        problem = text_codes.misfit(space, obs)
+        if problem:
+            raise BadObservationError(
+                f"sub-env {index}'s sandbox sent an observation that does not fit the "
+                f"observation space {space}: {problem}"
+            )
 
 
 @dataclass
