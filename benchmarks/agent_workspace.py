@@ -25,8 +25,11 @@ layer is every sandbox's shared lower layer). Then:
              host's /tmp, + one step of each
 
 Each (contender, k) runs in a fresh interpreter, contenders interleaved, ``--rounds``
-rounds; a run's figure is the median of its repetitions, the report gives the median of
-the rounds with their min-max, and the load before and after each round. A workspace the
+rounds, each run once the box is idle (under 0.15 busy cores over half a second, 30 s at
+most: what the previous run left, 64 network namespaces to free or GBs of copied pages,
+would be measured with it; ``busy_cores_before`` in the JSON); a run's figure is the
+median of its repetitions, the report gives the median of the rounds with their
+min-max, and the load before and after each round. A workspace the
 source wrote is copied 8 times at most ("copy fork"): 64 copies would be 12.8 GB of tmpfs.
 """
 
@@ -45,6 +48,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 sys.path.insert(0, EXAMPLES)
+sys.path.append(HERE)  # after the examples: both have an agent_workspace.py
+import peers  # host_cpu: the box's busy time  # noqa: E402
 
 # (contender, copies, where the workspace was written) in the order a round runs them.
 MATRIX = (
@@ -72,6 +77,7 @@ VM_MATRIX = (
 VM_MEMORY_MB = 512
 REPEATS = {1: 7, 8: 5, 64: 3}  # a microVM row: 3 (its forks are slower under TCG)
 MAX_CHILD_S = 600
+QUIET_CORES, QUIET_WAIT_S = 0.15, 30.0  # wait_quiet()
 
 # Published anchors, as their authors state them (conditions in their words).
 ANCHORS = (
@@ -193,7 +199,27 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def busy_cores(window_s: float = 0.5) -> float:
+    """How many cores the whole box kept busy over the next ``window_s`` seconds."""
+    before = peers.host_cpu()[0]
+    time.sleep(window_s)
+    return (peers.host_cpu()[0] - before) / window_s
+
+
+def wait_quiet() -> float:
+    """Wait (QUIET_WAIT_S at most) until the box is idle, under QUIET_CORES busy over a
+    half-second; returns the busy cores of the last window. What a row leaves behind
+    (the kernel freeing 64 network namespaces, GBs of copied pages) outlasts its
+    process and would be measured with the next row; the load average lags by a minute."""
+    deadline = time.monotonic() + QUIET_WAIT_S
+    while True:
+        busy = busy_cores()
+        if busy < QUIET_CORES or time.monotonic() >= deadline:
+            return busy
+
+
 def run_child(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
+    busy = wait_quiet()
     args = [sys.executable, __file__, "--one", contender, str(copies), where]
     args += ["--mb", str(mb), "--files", str(files)]
     done = subprocess.run(
@@ -201,7 +227,7 @@ def run_child(contender: str, copies: int, where: str, mb: int, files: int) -> d
     )
     if done.returncode != 0:
         raise RuntimeError(f"{contender} x{copies}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "busy_cores_before": busy}
 
 
 def main() -> None:
@@ -218,6 +244,7 @@ def main() -> None:
         help="only these, comma-separated (fork,copy fork,cp -a,vm fork)",
         default="",
     )
+    parser.add_argument("--copies", help="only these numbers of copies, comma-separated (1,8,64)")
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -229,8 +256,9 @@ def main() -> None:
     for r in range(args.rounds):
         before = load()
         wanted = set(filter(None, args.contenders.split(",")))
+        sizes = {int(k) for k in (args.copies or "").split(",") if k}
         for contender, copies, where in MATRIX + (VM_MATRIX if args.microvm else ()):
-            if wanted and contender not in wanted:
+            if (wanted and contender not in wanted) or (sizes and copies not in sizes):
                 continue
             key = f"{contender} x{copies} {where}"
             vm = contender == "vm fork"  # the guest's workspace lives in its RAM: smaller

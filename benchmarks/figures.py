@@ -60,10 +60,15 @@ def figure(text: Callable[[float], str], values: list[float], run: str, what: st
     middle = statistics.median(values)
     found: dict[str, Any] = {"text": text(middle), "value": middle, "run": run, "what": what}
     if len(values) > 1:
-        low, high = text(min(values)), text(max(values))
-        unit = re.sub(r"^[\d.]+", "", high)
-        found["range"] = f"{low[: len(low) - len(unit)]}-{high}"
+        found["range"] = span(text, min(values), max(values))
     return found
+
+
+def span(text: Callable[[float], str], low: float, high: float) -> str:
+    """'1.70-1.90x': a range with its unit once."""
+    low_text, high_text = text(low), text(high)
+    unit = re.sub(r"^[\d.]+", "", high_text)
+    return f"{low_text[: len(low_text) - len(unit)]}-{high_text}"
 
 
 def slug(row: str) -> str:
@@ -332,6 +337,54 @@ def from_suite(found: dict, run: str = "suite") -> Figures:
     }
 
 
+def stats_figure(
+    text: Callable[[float], str], stats: dict, scale: float, run: str, what: str
+) -> dict:
+    """A figure from a benchmark's own {"median", "min", "max"} (values times ``scale``)."""
+    middle, low, high = (stats[k] * scale for k in ("median", "min", "max"))
+    found = {"text": text(middle), "value": middle, "run": run, "what": what}
+    return {**found, "range": span(text, low, high)}
+
+
+def ms2_text(value_ms: float) -> str:
+    return f"{value_ms:.2f} ms"
+
+
+def from_agent_workspace(found: dict, run: str = "agent_workspace") -> Figures:
+    """benchmarks/agent_workspace.py --json: fork + first step of an agent's workspace."""
+    workspace = f"{found['workspace']['mb']} MB in {found['workspace']['files']} files"
+    out: Figures = {}
+    for row, r in found["table"].items():
+        key = f"agent.{slug(row)}"
+        where = row.replace("sandbox", f"workspace ({workspace}) the source wrote")
+        out[key + ".first_step"] = stats_figure(
+            ms_text, r["first_step_s"], 1e3, run, f"{where}: until every copy's first step"
+        )
+        out[key + ".branches_per_s"] = {
+            "text": f"{r['branches_per_s']:.0f}",
+            "value": r["branches_per_s"],
+            "run": run,
+            "what": f"{where}: copies / median time to their first step",
+        }
+        if "swap_s" in r:
+            out[key + ".swap"] = stats_figure(
+                ms2_text, r["swap_s"], 1e3, run, f"{where}: the source's own time on its layer"
+            )
+    table = found["table"]
+    if "fork x1 sandbox" in table and "fork x1 empty" in table:
+        ratio = (
+            table["fork x1 sandbox"]["first_step_s"]["median"]
+            / table["fork x1 empty"]["first_step_s"]["median"]
+        )
+        out["agent.x1_sandbox_vs_empty"] = {
+            "text": ratio_text(ratio),
+            "value": ratio,
+            "run": run,
+            "what": f"fork x1 + first step: workspace ({workspace}) / empty, medians",
+        }
+    return out
+
+
 EXTRACTORS: dict[str, Callable[[dict], Figures]] = {
     "peers": from_peers,
     "construction": from_construction,
@@ -340,6 +393,7 @@ EXTRACTORS: dict[str, Callable[[dict], Figures]] = {
     "gymnasium_step": from_gymnasium_step,
     "grouping": from_grouping,
     "suite": from_suite,
+    "agent_workspace": from_agent_workspace,
 }
 
 # ----------------------------------------------------------------------- the file

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from figures import CHECKED_PAGES, ROOT, apply
+from figures import CHECKED_PAGES, ROOT, apply, slug
 
 STEP_ROWS = ("CartPole x2", "CartPole x8", "CartPole x64", "100 us step x8", "Pong x8", "Pong x16")
 ROW_SLUGS = {
@@ -101,10 +101,25 @@ README_SPEED = """\
   [docs/benchmarks.md](docs/benchmarks.md).
 """
 
+README_AGENT = """\
+- Agent workspaces: Gymnasium `Text` spaces (str actions, observations and infos), an
+  asyncio face (`gym_fork.aio.AsyncForkVectorEnv`: awaitable reset, step and fork per
+  sub-env, for loops that step each episode at its own pace), and forks whose cost does not
+  grow with what a sandbox wrote: at a fork, its /tmp writes are frozen into a read-only
+  layer the source and its branches share. A fork + first step of
+  `examples/agent_workspace.py`'s env holding {=workspace} it wrote takes
+  {agent.fork_x1_sandbox.first_step} ({agent.fork_x1_empty.first_step} with an empty
+  workspace, {agent.cp_a_x1_sandbox.first_step} for a fresh sandbox that copies the
+  workspace in with `cp -a`), 64 branches of it {agent.fork_x64_sandbox.first_step}
+  ({=day:agent_workspace}). The process host refuses to fork an env that started a child
+  process (a shell it talks to), naming it; `host="microvm"` clones the whole guest,
+  child processes included. See [docs/branching.md](docs/branching.md).
+"""
+
 
 def fill(p: Page, template: str) -> str:
     """``template`` with each ``{key}`` replaced by that figure's text, ``{=cores}``,
-    ``{=day:RUN}`` and ``{=async_span}`` by what they name."""
+    ``{=day:RUN}``, ``{=async_span}`` and ``{=workspace}`` by what they name."""
 
     def one(match: re.Match[str]) -> str:
         key = match.group(1)
@@ -114,6 +129,9 @@ def fill(p: Page, template: str) -> str:
             return p.day(key[5:])
         if key == "=async_span":
             return _async_span(p)
+        if key == "=workspace":
+            found = p.results.get("raw", {}).get("agent_workspace", {}).get("workspace", {})
+            return f"{found.get('mb', 'n/a')} MB in {found.get('files', 'n/a')} files"
         return p.text(key)
 
     filled = " ".join(FIELD.sub(one, template).split())
@@ -129,6 +147,10 @@ def fill(p: Page, template: str) -> str:
         )
         + "\n"
     )
+
+
+def readme_agent(p: Page) -> str:
+    return fill(p, README_AGENT)
 
 
 def readme_compat(p: Page) -> str:
@@ -200,6 +222,13 @@ GOALS: tuple[tuple[str, str, str, float | str, str | None], ...] = (
      5.0, None),
     ("fan-out of 64 + first step <= 150 ms", "fanout64.cartpole", "<=", 150.0, None),
     ("64 clones add <= 1/20 of 64 copies' memory", "memory64.heavy", ">=", 20.0, None),
+    ("fork + first step of an agent workspace (200 MB) <= 10 ms p50",
+     "agent.fork_x1_sandbox.first_step", "<=", 10.0, None),
+    ("... <= 2x the same env with an empty workspace", "agent.x1_sandbox_vs_empty", "<=", 2.0,
+     None),
+    ("... its source paused <= 1 ms", "agent.fork_x1_sandbox.swap", "<=", 1.0, None),
+    ("64 branches of it ready <= 300 ms", "agent.fork_x64_sandbox.first_step", "<=", 300.0,
+     None),
 )  # fmt: skip
 
 
@@ -327,9 +356,45 @@ def benchmarks_grouping(p: Page) -> str:
     return table(header, rows)
 
 
+# benchmarks/agent_workspace.py's rows, in its order: (its key, how the page names it).
+AGENT_ROWS = tuple(
+    (f"{contender} x{k} {where}", f"{k} {'copy' if k == 1 else 'copies'}: {named}")
+    for k in (1, 8, 64)
+    for contender, where, named in (
+        ("fork", "empty", "fork, empty workspace"),
+        ("fork", "sandbox", "fork, workspace the source wrote"),
+        ("copy fork", "sandbox", "fork, frozen layers off (the workspace copied)"),
+        ("fork", "parent", "fork, workspace the warm parent wrote"),
+        ("cp -a", "sandbox", "fresh sandboxes + `cp -a` of the workspace"),
+    )
+)
+
+
+def benchmarks_agent(p: Page) -> str:
+    rows = []
+    for row, named in AGENT_ROWS:
+        key = f"agent.{slug(row)}"
+        if key + ".first_step" not in p.figures:
+            continue  # not a row of this run (8 copies of the workspace at most)
+        swap = p.text(key + ".swap") if key + ".swap" in p.figures else "-"
+        rows.append([named, p.spread(key + ".first_step"), p.text(key + ".branches_per_s"), swap])
+    header = ["what", "until every copy's first step (min-max of 3)", "branches/s"]
+    header.append("the source's own time on its layer")
+    raw = p.results.get("raw", {}).get("agent_workspace", {})
+    workspace = raw.get("workspace", {})
+    about = (
+        f"\nThe workspace: {workspace.get('mb', 'n/a')} MB in {workspace.get('files', 'n/a')}"
+        " files. The anchors, as their authors publish them (their machines and conditions,"
+        " not measured here):\n\n"
+        + "".join(f"- {name}: {claim}\n" for name, claim in raw.get("anchors", {}).items())
+    )
+    return table(header, rows) + about
+
+
 RENDERERS: dict[str, Callable[[Page], str]] = {
     "readme-compat": readme_compat,
     "readme-speed": readme_speed,
+    "readme-agent": readme_agent,
     "faq-peers": faq_peers,
     "benchmarks-runs": benchmarks_runs,
     "benchmarks-goals": benchmarks_goals,
@@ -337,6 +402,7 @@ RENDERERS: dict[str, Callable[[Page], str]] = {
     "benchmarks-first-env": benchmarks_first_env,
     "benchmarks-clone": benchmarks_clone,
     "benchmarks-grouping": benchmarks_grouping,
+    "benchmarks-agent": benchmarks_agent,
 }
 
 

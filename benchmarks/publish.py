@@ -42,6 +42,7 @@ def commands(quick: bool, out: str, gymnasium_git: str | None) -> dict[str, list
         "ring": [py, "-m", "gym_fork", "bench", "--quick", "-q", "--json", out],
         "gymnasium_step": [py, str(BENCH / "gymnasium_step.py"), "--json", out],
         "grouping": [py, str(BENCH / "grouping_report.py"), "--json", out],
+        "agent_workspace": [py, str(BENCH / "agent_workspace.py"), "--json", out],
     }
     if quick:
         made["peers"].append("--quick")
@@ -49,6 +50,7 @@ def commands(quick: bool, out: str, gymnasium_git: str | None) -> dict[str, list
         made["clone"].append("--quick")
         made["gymnasium_step"] += ["--rounds", "1", "--seconds", "0.5"]
         made["grouping"] += ["--rounds", "1"]
+        made["agent_workspace"] += ["--rounds", "1"]
     if gymnasium_git:
         made["suite"] = [
             py,

@@ -126,6 +126,29 @@ def test_gymnasiums_vector_step_benchmark_becomes_figures(tmp_path: Path) -> Non
         assert found[f"gymnasium_step.{row}.fork_vs_sync"]["text"].endswith("x")
 
 
+@pytest.mark.slow
+def test_the_agent_workspace_benchmark_becomes_figures(tmp_path: Path) -> None:
+    """Its JSON as the benchmark writes it today (a small workspace, one copy, one round)."""
+    out = tmp_path / "agent.json"
+    script = ROOT / "benchmarks" / "agent_workspace.py"
+    argv = [sys.executable, str(script), "--rounds", "1", "--contenders", "fork", "--copies"]
+    argv += ["1", "--mb", "1", "--files", "20", "--json", str(out)]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = figures.from_agent_workspace(json.loads(out.read_text()))
+    for row in ("fork_x1_empty", "fork_x1_sandbox", "fork_x1_parent"):
+        first, swap = found[f"agent.{row}.first_step"], found[f"agent.{row}.swap"]
+        assert first["text"].endswith(" ms") and 0 < first["value"] < 10_000, first
+        assert 0 < swap["value"] <= first["value"], (swap, first)
+        assert float(found[f"agent.{row}.branches_per_s"]["text"]) > 0
+    ratio = found["agent.x1_sandbox_vs_empty"]
+    assert ratio["value"] == pytest.approx(
+        found["agent.fork_x1_sandbox.first_step"]["value"]
+        / found["agent.fork_x1_empty.first_step"]["value"]
+    )
+    assert not any(".x8" in key or "x64" in key for key in found), sorted(found)
+
+
 def test_the_figures_are_what_the_stored_benchmark_output_gives() -> None:
     """Nobody typed a figure in: each is re-derived from the JSON its benchmark wrote."""
     results = figures.load()
