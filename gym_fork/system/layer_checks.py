@@ -147,6 +147,8 @@ def keeps_a_tmp_endpoint(pid: int) -> str:
             return f"it holds {path[:200]} open, which is not a file or directory"
         if path.endswith(" (deleted)"):  # an O_TMPFILE or unlinked file: no path to reopen
             return f"it holds a deleted file open ({path[:200]})"
+        if _locked(pid, name):
+            return f"it holds a lock on {path[:200]} (its reopened file would not have it)"
     if sockets:
         with open(f"/proc/{pid}/net/unix") as f:
             for line in f:
@@ -154,6 +156,17 @@ def keeps_a_tmp_endpoint(pid: int) -> str:
                 if len(fields) >= 8 and fields[6] in sockets and fields[7].startswith("/tmp/"):
                     return f"a unix socket is bound at {fields[7][:200]}"
     return ""
+
+
+def _locked(pid: int, fd: str) -> bool:
+    """Whether the source holds a lock (flock, OFD or POSIX) on the file of its ``fd``:
+    a lock belongs to the open file (or the process's fds of it), and the source's files
+    are reopened on its new layer, which would drop it."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            return b"\nlock:" in f.read(65536)
+    except OSError:
+        return False  # closed meanwhile
 
 
 def works_in_a_deleted_tmp_directory(pid: int) -> str:

@@ -225,7 +225,7 @@ def enter_clone_namespaces(config: IsolationConfig, tree: Isolation, achieved: I
 
 
 def clone_inherits_shared() -> list[str]:
-    """The shared mappings a clone's source listed before the fork."""
+    """The shared mappings and memfds a clone's source listed before the fork."""
     return _CLONE_INHERITS[2]
 
 
@@ -287,9 +287,11 @@ def before_forking_clones(
     :func:`gym_fork.system.birth.be_born`): list what their TMPDIRs start from once,
     here, instead of once in every clone (only an empty listing is remembered), and what
     they will share with this sandbox whatever their namespaces: its shared mappings
-    (anonymous shared memory included: a fork does not copy them), and open files in /tmp
-    or /dev/shm no clone can reopen on its copy. Returns those, named. ``handed``: the
-    clones' fds the controller sent (no file of /tmp or /dev/shm: not looked at).
+    (anonymous shared memory included: a fork does not copy them), memfds it holds open
+    (mapped or not: read and written through the fd, it is shared memory all the same),
+    and open files in /tmp or /dev/shm no clone can reopen on its copy. Returns those,
+    named. ``handed``: the clones' fds the controller sent (no file of /tmp or /dev/shm,
+    no memfd of the env's: not looked at).
     ``swapping``: the layer helper may be moving its /tmp writes now (a freeze, or its
     undoing): no listing of them is remembered, each clone looks once its source has
     its word on the layer."""
@@ -299,15 +301,21 @@ def before_forking_clones(
         _EMPTY_CLONE_SOURCE = source if source and not os.listdir(source) else None
     except OSError:
         _EMPTY_CLONE_SOURCE = None  # each clone looks for itself
-    files, stuck = (
-        snapshot.private_files(skip=handed) if _PRIVATE_WRITES_FD is not None else ([], [])
-    )
+    # One pass over its fds: its /tmp and /dev/shm files, and memfds it holds (shared
+    # memory a clone would share through the fd, mapped or not).
+    listed, stuck = snapshot.private_files((*snapshot.PRIVATE_PREFIXES, "/memfd:"), handed)
+    memfds = [p for p in stuck if p.startswith("/memfd:") and not p.startswith(snapshot.OWN_MEMFDS)]
+    if _PRIVATE_WRITES_FD is None:
+        files, stuck = [], []
+    else:
+        files = [(fd, p) for fd, p in listed if not p.startswith("/memfd:")]
+        stuck = [p for p in stuck if not p.startswith("/memfd:")]
     try:
         shared = snapshot.shared_mappings()  # every fork: ~40 us (1 ms where read as text)
     except OSError as exc:
         shared = [f"[its mappings could not be listed: {exc.strerror or exc}]"]
-    _CLONE_INHERITS = (files, stuck, shared)
-    return sorted(set(shared + stuck))
+    _CLONE_INHERITS = (files, stuck, shared + memfds)
+    return sorted(set(shared + stuck + memfds))
 
 
 def writes_tmp_files() -> bool:

@@ -166,6 +166,7 @@ def _copy_metadata(dst: str, info: os.stat_result) -> None:
 
 
 PRIVATE_PREFIXES = ("/tmp/", "/dev/shm/")
+OWN_MEMFDS = "/memfd:gym_fork-"  # a sandbox's channel and slab: each clone gets its own
 _KEPT_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
 
 
@@ -264,7 +265,7 @@ def shared_mappings(prefixes: tuple[str, ...] = PRIVATE_PREFIXES) -> list[str]:
     found = []
     vmas = procmaps.shared_vmas()
     for writable, path in vmas:
-        if path.startswith("/memfd:gym_fork-"):
+        if path.startswith(OWN_MEMFDS):
             continue
         if not path or path.startswith((*prefixes, "/memfd:", "/dev/zero", "/SYSV")):
             found.append(path or "[anonymous shared]")

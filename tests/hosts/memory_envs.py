@@ -90,3 +90,20 @@ class RawArrayEnv(_SharedCounterEnv):
         super().__init__()
         self.array = multiprocessing.RawArray("q", 1)
         self.shared = memoryview(self.array).cast("B")
+
+
+class MemfdEnv(CounterEnv):
+    """A counter in a memfd it keeps open and never maps (``os.pread``/``os.pwrite``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fd = os.memfd_create("counter")
+        os.pwrite(self.fd, bytes(8), 0)
+
+    def count(self) -> int:
+        return int.from_bytes(os.pread(self.fd, 8, 0), "little")
+
+    def step(self, action):
+        value = self.count() + 1
+        os.pwrite(self.fd, value.to_bytes(8, "little"), 0)
+        return np.array([float(value), 0.0]), 1.0, False, False, {}

@@ -18,7 +18,7 @@ from gym_fork.errors import SubEnvCrashed
 from gym_fork.gpu import ForkUnsafeError
 from gym_fork.system import cgroups
 from tests.helpers import wait_until
-from tests.hosts.memory_envs import AnonymousSharedEnv, CounterEnv, RawArrayEnv
+from tests.hosts.memory_envs import AnonymousSharedEnv, CounterEnv, MemfdEnv, RawArrayEnv
 
 MEMORY = 200 << 20
 PROCESSES = 64
@@ -93,7 +93,11 @@ def test_a_branch_that_fills_its_tmp_is_oom_killed_alone_in_its_own_cgroups():
 
 @pytest.mark.parametrize(
     ("env_class", "mapping"),
-    [(AnonymousSharedEnv, "/dev/zero (deleted)"), (RawArrayEnv, "/dev/shm/pym-")],
+    [
+        (AnonymousSharedEnv, "/dev/zero (deleted)"),
+        (RawArrayEnv, "/dev/shm/pym-"),
+        (MemfdEnv, "/memfd:counter (deleted)"),  # never mapped: shared through its fd
+    ],
 )
 def test_a_fork_of_shared_memory_is_reported_warned_about_and_refusable(env_class, mapping):
     envs = ForkVectorEnv([env_class], lineage_log=False)

@@ -306,6 +306,29 @@ class HoldsEndpoints(Workspace):
         if getattr(self, "binds", False):
             self.bind_socket()
 
+    def _lock(self, how):
+        import fcntl
+
+        self._locked = os.open("/tmp/ws/locked", os.O_RDWR | os.O_CREAT, 0o600)
+        if how == "flock":
+            fcntl.flock(self._locked, fcntl.LOCK_EX)
+        else:  # an OFD lock, or a POSIX one (the process's)
+            command = fcntl.F_OFD_SETLK if how == "ofd" else fcntl.F_SETLK
+            fcntl.fcntl(self._locked, command, bytes(32))  # struct flock: F_RDLCK, whole file
+
+    def lock_flock(self):
+        self._lock("flock")
+
+    def lock_ofd(self):
+        self._lock("ofd")
+
+    def lock_posix(self):
+        self._lock("posix")
+
+    def locks(self):
+        with open(f"/proc/self/fdinfo/{self._locked}") as f:
+            return sum(line.startswith("lock:") for line in f)
+
     def connect(self):
         client = socket.socket(socket.AF_UNIX)
         try:
@@ -317,10 +340,13 @@ class HoldsEndpoints(Workspace):
             client.close()
 
 
-@pytest.mark.parametrize("hold", ["map_shared", "open_fifo", "bind_socket"])
+@pytest.mark.parametrize(
+    "hold", ["map_shared", "open_fifo", "bind_socket", "lock_flock", "lock_ofd", "lock_posix"]
+)
 def test_what_a_new_tmp_would_break_makes_the_fork_copy_instead(hold):
-    """A shared mapping of a /tmp file, a fifo held open or a unix socket bound in
-    /tmp: no freeze (the source keeps its /tmp; its clients still reach its socket)."""
+    """A shared mapping of a /tmp file, a fifo held open, a unix socket bound in /tmp or
+    a lock on a /tmp file: no freeze (the source keeps its /tmp; its clients still reach
+    its socket; its lock, which its file reopened on a new layer would not have, stays)."""
     envs = ForkVectorEnv([HoldsEndpoints], lineage_log=False)
     try:
         envs.reset(seed=0)
@@ -332,6 +358,8 @@ def test_what_a_new_tmp_would_break_makes_the_fork_copy_instead(hold):
             assert branch.call("read", "/tmp/ws/file.txt")[0] == "content\n"  # copied
             if hold == "bind_socket":
                 assert envs.call("connect")[0] == "connected"
+            if hold.startswith("lock"):
+                assert envs.call("locks")[0] == 1
         finally:
             branch.close()
     finally:
