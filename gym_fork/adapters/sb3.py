@@ -37,7 +37,7 @@ from gym_fork.adapters.bridge import BridgedEnvFn
 from gym_fork.adapters.infos import unbatch_infos
 from gym_fork.adapters.sb3_wrappers import check_carried, copy_wrappers
 from gym_fork.errors import BadActionError
-from gym_fork.vector.spaces import empty_batch
+from gym_fork.vector.spaces import empty_buffer
 
 __all__ = ["ForkVecEnv", "fork_wrapped"]
 
@@ -83,7 +83,7 @@ def sb3_actions(space: gym.Space, actions: Any, num_envs: int) -> Any:
     if len(items) != num_envs:
         raise BadActionError(f"{len(items)} SB3 actions for {num_envs} sub-envs")
     try:
-        return concatenate(space, items, empty_batch(space, num_envs))
+        return concatenate(space, items, empty_buffer(space, num_envs))
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise BadActionError(
             f"SB3 actions that do not fit the action space {space}: {exc!r}"

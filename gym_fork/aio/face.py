@@ -18,7 +18,7 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
 from gym_fork.vector.frontend import is_int
-from gym_fork.vector.spaces import empty_batch
+from gym_fork.vector.spaces import empty_buffer
 
 from .engine import Budget, Call, Engine, later
 
@@ -139,7 +139,7 @@ class AsyncForkVectorEnv:
         returns (obs, reward, terminated, truncated, info) as a Gymnasium env does."""
         index = self._index(index)
         batch = concatenate(
-            self.single_action_space, [action], empty_batch(self.single_action_space, 1)
+            self.single_action_space, [action], empty_buffer(self.single_action_space, 1)
         )
         return await self._in_sub_env(index, lambda: self._env.send(batch, [index]), "step")
 

@@ -24,7 +24,7 @@ from .burial import bury
 from .frontend import ForkPlan
 from .lifecycle import Sandboxes
 from .opening import Opened
-from .spaces import empty_batch
+from .spaces import empty_buffer
 
 
 def check_forkable(workers: list[WorkerHandle], pool) -> None:
@@ -183,5 +183,5 @@ def _copy_rows(source, source_spaces, source_observations, branch, plan) -> Any:
     if branch.slabs.observation_layout is not None:
         return branch.slabs.observations()
     rows = list(iterate(source_spaces.observation_space, source_observations))
-    out: Any = empty_batch(single, len(plan.sources))
+    out: Any = empty_buffer(single, len(plan.sources))
     return concatenate(single, [rows[i] for i in plan.sources], out)

@@ -16,7 +16,7 @@ from gym_fork.transport.space_codec import SpaceRefused, mapping_from_data
 
 from .config import VectorConfig
 from .lifecycle import Sandboxes
-from .spaces import VectorSpaces, check_attached, empty_batch
+from .spaces import VectorSpaces, check_attached, empty_buffer
 
 
 @dataclass
@@ -47,7 +47,7 @@ def open_root(config: VectorConfig) -> Opened:
                 config.observation_mode, hellos, trusted=config.trusted
             )
             obs_in_slab = attach(sandboxes, spaces)
-            observations = empty_batch(spaces.single_observation_space, config.num_envs)
+            observations = empty_buffer(spaces.single_observation_space, config.num_envs)
         except MemoryError as exc:  # a space cheap to declare, too big to batch or hold
             raise SandboxStartError(
                 f"the spaces the sub-envs declare need more memory than this machine "

@@ -25,19 +25,25 @@ from gym_fork.transport.slab import SlabSet
 from gym_fork.transport.space_codec import SpaceRefused, space_from_data
 
 
-def empty_batch(space: Space, n: int) -> tuple[Any, ...] | dict[str, Any] | np.ndarray:
-    """``create_empty_array(space, n, np.zeros)``: the buffer ``concatenate`` fills, but
-    with "" for each Text entry. Gymnasium's holds ``min_length`` characters per entry:
-    a sandbox declaring ``Text(2**30, min_length=2**30)`` cost the controller 1 GiB per
-    sub-env (concatenate returns the texts themselves, never this buffer's)."""
+def empty_buffer(space: Space, n: int) -> Any:
+    """``create_empty_array(space, n, np.zeros)``, the buffer ``concatenate`` fills, but
+    with "" for each Text entry: Gymnasium's holds ``min_length`` characters per entry
+    (a sandbox declaring ``Text(2**30, min_length=2**30)`` cost the controller 1 GiB per
+    sub-env; concatenate returns the texts themselves, never this buffer's). None for a
+    custom space without one, as Gymnasium gives."""
     if isinstance(space, spaces.Text):
         return ("",) * n
     if isinstance(space, spaces.Dict):
-        return {key: empty_batch(child, n) for key, child in space.spaces.items()}
+        return {key: empty_buffer(child, n) for key, child in space.spaces.items()}
     if isinstance(space, spaces.Tuple):
-        return tuple(empty_batch(child, n) for child in space.spaces)
-    batch = create_empty_array(space, n=n, fn=np.zeros)
-    if batch is None:  # its annotation allows None, which it never returns
+        return tuple(empty_buffer(child, n) for child in space.spaces)
+    return create_empty_array(space, n=n, fn=np.zeros)
+
+
+def empty_batch(space: Space, n: int) -> tuple[Any, ...] | dict[str, Any] | np.ndarray:
+    """:func:`empty_buffer`, refused (TypeError) for a space that has none."""
+    batch = empty_buffer(space, n)
+    if batch is None:
         raise TypeError(f"{space} has no batch buffer")
     return batch
 

@@ -78,9 +78,7 @@ class Worker:
         self.attach_arg: dict[str, Any] | None = None
         self.autoreset_mode = AutoresetMode.NEXT_STEP
         self.isolation: dict[str, Any] = {}
-        # The observation space where observations go in ring records and hold Text
-        # (checked here as a slab row would check them), else None.
-        self.ring_text_space: Any = None
+        self.ring_text_space: Any = None  # obs space, where Text goes in ring records
 
     # -- hooks for hosts ------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -217,9 +215,8 @@ class Worker:
                 self._bad_obs(slot, leaf.space, exc)
         else:
             assert out is not None  # no slab leaf: the caller's list carries them
-            space = self.ring_text_space
-            problem = None if space is None else text_codes.misfit(space, obs)
-            if problem:
+            space = self.ring_text_space  # checked as a slab row would check it
+            if space is not None and (problem := text_codes.misfit(space, obs)):
                 self._bad_obs(slot, space, problem)
             out[k] = obs
         slot.last_obs = obs

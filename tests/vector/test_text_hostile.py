@@ -18,7 +18,7 @@ from gymnasium import spaces
 from gym_fork import ForkVectorEnv
 from gym_fork.errors import BadObservationError
 from gym_fork.transport.space_codec import space_from_data, space_to_data
-from gym_fork.vector.spaces import empty_batch
+from gym_fork.vector.spaces import empty_buffer
 
 LETTERS = string.ascii_lowercase
 
@@ -127,7 +127,7 @@ def test_a_declared_min_length_costs_the_controller_nothing_at_construction() ->
     # 1 GiB of the controller per sub-env, whatever the env later returns.
     huge = spaces.Text(1 << 26, min_length=1 << 26, charset="ab")
     nested = spaces.Dict({"t": huge, "n": spaces.Tuple([huge, spaces.Discrete(3)])})
-    batch = empty_batch(nested, 2)
+    batch = empty_buffer(nested, 2)
     assert [len(t) for t in (*batch["t"], *batch["n"][0])] == [0] * 4
     assert batch["n"][1].shape == (2,) and batch["n"][1].dtype == spaces.Discrete(3).dtype
 
