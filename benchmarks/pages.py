@@ -378,7 +378,7 @@ def benchmarks_agent(p: Page) -> str:
             continue  # not a row of this run (8 copies of the workspace at most)
         swap = p.text(key + ".swap") if key + ".swap" in p.figures else "-"
         rows.append([named, p.spread(key + ".first_step"), p.text(key + ".branches_per_s"), swap])
-    header = ["what", "until every copy's first step (min-max of 3)", "branches/s"]
+    header = ["what", "until every copy's first step (min-max of the rounds)", "branches/s"]
     header.append("the source's own time on its layer")
     raw = p.results.get("raw", {}).get("agent_workspace", {})
     workspace = raw.get("workspace", {})

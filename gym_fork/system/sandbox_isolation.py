@@ -290,8 +290,8 @@ def before_forking_clones(
     (anonymous shared memory included: a fork does not copy them), memfds it holds open
     (mapped or not: read and written through the fd, it is shared memory all the same),
     and open files in /tmp or /dev/shm no clone can reopen on its copy. Returns those,
-    named. ``handed``: the clones' fds the controller sent (no file of /tmp or /dev/shm,
-    no memfd of the env's: not looked at).
+    named. ``handed``: the clones' fds the controller sent and its own channel's and slab's
+    (no file of /tmp or /dev/shm, no memfd of the env's: not looked at).
     ``swapping``: the layer helper may be moving its /tmp writes now (a freeze, or its
     undoing): no listing of them is remembered, each clone looks once its source has
     its word on the layer."""
@@ -304,7 +304,7 @@ def before_forking_clones(
     # One pass over its fds: its /tmp and /dev/shm files, and memfds it holds (shared
     # memory a clone would share through the fd, mapped or not).
     listed, stuck = snapshot.private_files((*snapshot.PRIVATE_PREFIXES, "/memfd:"), handed)
-    memfds = [p for p in stuck if p.startswith("/memfd:") and not p.startswith(snapshot.OWN_MEMFDS)]
+    memfds = [p for p in stuck if p.startswith("/memfd:")]
     if _PRIVATE_WRITES_FD is None:
         files, stuck = [], []
     else:

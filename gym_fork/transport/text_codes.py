@@ -44,7 +44,7 @@ def encode(space: spaces.Text, value: str) -> np.ndarray:
     if tables is None:
         return np.array([space.character_index(c) for c in value], np.int32)
     _chars, index_of = tables
-    points = np.frombuffer(value.encode("utf-32-le"), np.uint32)
+    points = np.frombuffer(value.encode("utf-32-le", "surrogatepass"), np.uint32)
     codes = index_of[np.minimum(points, len(index_of) - 1)]
     if codes.size and codes.min() < 0:
         bad = value[int(np.argmax(codes < 0))]
@@ -66,16 +66,17 @@ def decode(space: spaces.Text, row: np.ndarray) -> str:
     # after the mask was taken could index past the charset.
     row = np.array(row, np.int32)
     codes = row[(row >= 0) & (row < count)]
-    return chars[codes].tobytes().decode("utf-32-le")
+    return chars[codes].tobytes().decode("utf-32-le", "surrogatepass")
 
 
 def has_text(space: spaces.Space) -> bool:
-    """Whether ``space`` is a Text space or holds one (in a Dict, Tuple or Sequence)."""
+    """Whether ``space`` is a Text space or holds one (in a Dict, Tuple, OneOf or
+    Sequence)."""
     if isinstance(space, spaces.Text):
         return True
     if isinstance(space, spaces.Dict):
         return any(has_text(child) for child in space.spaces.values())
-    if isinstance(space, spaces.Tuple):
+    if isinstance(space, spaces.Tuple | spaces.OneOf):
         return any(has_text(child) for child in space.spaces)
     if isinstance(space, spaces.Sequence):
         return has_text(space.feature_space)
@@ -86,38 +87,52 @@ def misfit(space: spaces.Space, value: Any) -> str | None:
     """What is wrong with the Text parts of ``value`` for ``space``, or None: each must be
     a str of at most ``max_length`` characters of its charset, what a slab row holds.
     Other leaves are not looked at (as AsyncVectorEnv looks at none); nor is
-    ``min_length`` (as a Box's bounds are not)."""
+    ``min_length`` (as a Box's bounds are not). For the values of untrusted sandboxes."""
     if isinstance(space, spaces.Text):
         if not isinstance(value, str):
             return f"expected a str, got {type(value).__name__}"
         if len(value) > space.max_length:
             return f"a str of {len(value)} characters (at most {space.max_length})"
-        try:
-            encode(space, value)
-        except (KeyError, ValueError) as exc:
-            bad = exc.args[0] if exc.args and isinstance(exc.args[0], str) else "?"
-            return f"the character {ascii(bad)[:16]} is not in its charset"
+        if value and not space.character_set.issuperset(value):
+            bad = next(c for c in value if c not in space.character_set)
+            return f"the character {bad!a} is not in its charset"
         return None
     if isinstance(space, spaces.Dict):
         if not isinstance(value, Mapping):
             return f"expected a dict, got {type(value).__name__}"
-        for key, child in space.spaces.items():
-            if key not in value:
-                return f"no key {key!r}"
-            found = misfit(child, value[key])
-            if found:
-                return f"[{key!r}]: {found}"
+        children = [(repr(k), child, value.get(k, _MISSING)) for k, child in space.spaces.items()]
+    elif isinstance(space, spaces.OneOf):
+        index = value[0] if isinstance(value, tuple | list) and len(value) == 2 else None
+        if not isinstance(index, int | np.integer) or isinstance(index, bool):
+            return "expected (index, value)"
+        if not 0 <= index < len(space.spaces):
+            return f"no subspace {index}"
+        children = [(str(index), space.spaces[int(index)], value[1])]
+    elif isinstance(space, spaces.Tuple | spaces.Sequence):
+        items = value.tolist() if isinstance(value, np.ndarray) and value.dtype == object else value
+        if not isinstance(items, tuple | list):
+            if isinstance(space, spaces.Sequence) and space.stack:
+                return None  # a stacked batch of the feature's leaves: not looked at
+            return f"expected a tuple, got {type(value).__name__}"
+        if isinstance(space, spaces.Sequence):
+            feature = space.feature_space
+            if space.stack and not isinstance(feature, spaces.Text):
+                return None  # each field stacked: a batch, not one value each
+            kids = [feature] * len(items)
+        else:
+            kids = list(space.spaces)
+        if len(kids) != len(items):
+            return f"expected {len(kids)} entries, got {len(items)}"
+        children = [
+            (str(k), child, item) for k, (child, item) in enumerate(zip(kids, items, strict=True))
+        ]
+    else:
         return None
-    if isinstance(space, spaces.Tuple | spaces.Sequence):
-        if not isinstance(value, tuple | list):
-            return None if isinstance(space, spaces.Sequence) else "expected a tuple"
-        children = (
-            space.spaces if isinstance(space, spaces.Tuple) else [space.feature_space] * len(value)
-        )
-        if len(children) != len(value):
-            return f"expected {len(children)} entries, got {len(value)}"
-        for k, (child, item) in enumerate(zip(children, value, strict=True)):
-            found = misfit(child, item)
-            if found:
-                return f"[{k}]: {found}"
+    for name, child, item in children:
+        found = f"no entry {name}" if item is _MISSING else misfit(child, item)
+        if found:
+            return f"[{name}]: {found}"
     return None
+
+
+_MISSING = object()

@@ -22,7 +22,7 @@ from gymnasium.error import NoAsyncCallError
 from gymnasium.vector import VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
-from gym_fork.errors import BadActionError
+from gym_fork.errors import BadActionError, BadObservationError
 from gym_fork.transport.codec import pack
 from gym_fork.worker import protocol as P
 
@@ -163,6 +163,13 @@ def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.nd
         for entry in reversed([t for t in taken if not t[3]]):
             batches.done.appendleft(entry)
         raise errors_exception(errors, trusted=env.config.trusted)
+    for k, (index, _op, result, _errs) in enumerate(taken if env._ring_texts is not None else ()):
+        try:
+            check_ring_observations(env._ring_texts, result[0][:1], [index])
+        except BadObservationError:  # the others stay, for the next recv
+            for entry in reversed(taken[:k] + taken[k + 1 :]):
+                batches.done.appendleft(entry)
+            raise
     slabs = env.sandboxes.slabs.slabs
     single = env.single_observation_space
     rewards = np.zeros(count, dtype=np.float64)
@@ -178,7 +185,6 @@ def take(env: Any, batches: Batches) -> tuple[Any, np.ndarray, np.ndarray, np.nd
         if env._obs_in_slab:
             observations.append(slab.observations.read(0))
         else:
-            check_ring_observations(single, obs_list[:1], [index], env.config.trusted)
             observations.append(obs_list[0])
         if op == P.STEP:
             rewards[j] = slab.rewards[0]

@@ -6,6 +6,7 @@ as ``copy`` says)."""
 from __future__ import annotations
 
 import copy as copy_module
+import functools
 import multiprocessing
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from gymnasium.vector.utils import concatenate
 from .config import VectorConfig
 from .frontend import AsyncState
 from .lifecycle import Sandboxes
-from .spaces import check_ring_observations
+from .spaces import check_ring_observations, ring_text_space
 from .waits import WaitTimeout
 
 
@@ -51,6 +52,12 @@ class Results:
         finally:
             self._state = AsyncState.DEFAULT
 
+    @functools.cached_property
+    def _ring_texts(self) -> Space | None:
+        """:func:`ring_text_space`'s for this vector env (its spaces never change)."""
+        single, trusted = self.single_observation_space, self.config.trusted
+        return ring_text_space(single, self._obs_in_slab, trusted)
+
     def _gather(self, replies: list[Any]) -> dict[str, Any]:
         """The infos of the workers' ``[observations, infos]`` replies to a reset or a
         step, merged in sub-env order (a worker whose sub-envs all returned empty ones
@@ -67,8 +74,7 @@ class Results:
                 observations.extend(obs_list)
                 indices.extend(worker.indices)
         if not self._obs_in_slab:
-            single, trusted = self.single_observation_space, self.config.trusted
-            check_ring_observations(single, observations, indices, trusted)
+            check_ring_observations(self._ring_texts, observations, indices)
             self.observations = concatenate(
                 self.single_observation_space, observations, self.observations
             )

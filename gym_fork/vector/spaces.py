@@ -37,6 +37,8 @@ def empty_buffer(space: Space, n: int) -> Any:
         return {key: empty_buffer(child, n) for key, child in space.spaces.items()}
     if isinstance(space, spaces.Tuple):
         return tuple(empty_buffer(child, n) for child in space.spaces)
+    if isinstance(space, spaces.Sequence) and space.stack:  # Gymnasium's: one of n=1 each
+        return tuple(empty_buffer(space.feature_space, 1) for _ in range(n))
     return create_empty_array(space, n=n, fn=np.zeros)
 
 
@@ -48,16 +50,22 @@ def empty_batch(space: Space, n: int) -> tuple[Any, ...] | dict[str, Any] | np.n
     return batch
 
 
+def ring_text_space(space: Space, obs_in_slab: bool, trusted: bool) -> Space | None:
+    """The observation space whose values :func:`check_ring_observations` must look at:
+    an untrusted vector env's, where they come in ring records and hold Text."""
+    return None if obs_in_slab or trusted or not text_codes.has_text(space) else space
+
+
 def check_ring_observations(
-    space: Space, observations: list[Any], indices: list[int], trusted: bool
+    space: Space | None, observations: list[Any], indices: list[int]
 ) -> None:
     """Observations an untrusted sandbox sent in ring records (``shared_memory=False``,
     or a space without a slab layout): their Text parts must be what a slab row would
-    hold (a str of the charset, at most ``max_length``), as its worker checked them;
-    else BadObservationError naming the sub-env. A ``trusted`` vector env's are not
-    looked at (its sandboxes may send any object), nor is any other leaf (AsyncVectorEnv
-    looks at none)."""
-    if trusted or not text_codes.has_text(space):
+    hold (a str of the charset, at most ``max_length``), else BadObservationError naming
+    the sub-env. ``space``: :func:`ring_text_space`'s (None: nothing to look at; a
+    trusted vector env's sandboxes may send any object, and no other leaf is looked at,
+    as AsyncVectorEnv looks at none)."""
+    if space is None:
         return
     for index, obs in zip(indices, observations, strict=True):
         problem = text_codes.misfit(space, obs)

@@ -26,7 +26,6 @@ from gymnasium.vector import AutoresetMode
 
 from gym_fork._ring import lib
 from gym_fork.errors import BadObservationError
-from gym_fork.transport import text_codes
 from gym_fork.transport.channel import Channel
 from gym_fork.transport.codec import pack, pack_empty_reply
 from gym_fork.transport.layout import ArrayLeaf
@@ -78,7 +77,6 @@ class Worker:
         self.attach_arg: dict[str, Any] | None = None
         self.autoreset_mode = AutoresetMode.NEXT_STEP
         self.isolation: dict[str, Any] = {}
-        self.ring_text_space: Any = None  # obs space, where Text goes in ring records
 
     # -- hooks for hosts ------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -166,8 +164,6 @@ class Worker:
         if self.slab is not None:
             self.slab.close()
         self.slab = self.open_slab(obs_space, act_space, len(self.slots), arg["shared_memory"])
-        in_ring = self.slab.observations is None and text_codes.has_text(obs_space)
-        self.ring_text_space = obs_space if in_ring else None
         return obs_space, act_space
 
     # -- a clone's new identity -----------------------------------------------------
@@ -212,12 +208,9 @@ class Worker:
             try:
                 leaf.write(k, obs)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
-                self._bad_obs(slot, leaf.space, exc)
+                self._bad_obs(slot, exc)
         else:
             assert out is not None  # no slab leaf: the caller's list carries them
-            space = self.ring_text_space  # checked as a slab row would check it
-            if space is not None and (problem := text_codes.misfit(space, obs)):
-                self._bad_obs(slot, space, problem)
             out[k] = obs
         slot.last_obs = obs
 
@@ -297,7 +290,7 @@ class Worker:
                             )
                         obs_array[k] = value
                     except (ValueError, TypeError, KeyError, IndexError) as exc:
-                        self._bad_obs(slot, obs_space, exc)
+                        self._bad_obs(slot, exc)
                     slot.last_obs = obs
                 else:
                     self._store_obs(slot, obs, obs_out, k)
@@ -314,11 +307,13 @@ class Worker:
                 errors.append(error_record(slot.index, exc))
         return [obs_out, infos], errors
 
-    def _bad_obs(self, slot: SubEnvSlot, space: Any, why: Exception | str) -> None:
+    def _bad_obs(self, slot: SubEnvSlot, exc: Exception) -> None:
+        leaf = self._attached().observations
+        space = leaf.space if leaf is not None else None
         raise BadObservationError(
             f"sub-env {slot.index} returned an observation that does not fit the "
-            f"observation space {space}: {why}"
-        ) from (why if isinstance(why, Exception) else None)
+            f"observation space {space}: {exc}"
+        ) from exc
 
     def call(self, arg: list[Any]) -> tuple[list[Any], list[Any]]:
         """Call a method (or read an attribute) of every sub-env."""

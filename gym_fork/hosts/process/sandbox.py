@@ -208,19 +208,20 @@ def fork_clones(worker: ProcessWorker, arg: dict[str, Any]) -> list[int] | dict[
         if worker.attach_arg is None:
             raise RuntimeError("fork: this worker has not attached its slab yet")
         handed_fds = frozenset(fds)
+        # What its clones close (looked for once), and no memfd of the env's.
+        own = {fd for region in _own_regions(worker) for fd in region.held_fds(skip=handed_fds)}
+        skip = handed_fds | own
         swapping = not layer_taken[0]  # the helper may be moving its /tmp writes now
-        shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds, swapping)
+        shared = before_forking_clones(worker.scratch, worker.tree_isolation, skip, swapping)
         if swapping and writes_tmp_files():
             # Its clones would inherit a file of the frozen layer open for writing, and
             # hold its seal back until they reopened it: the layer is taken first, and
             # what they inherit listed again (on its new layer).
             take_layer()
-            shared = before_forking_clones(worker.scratch, worker.tree_isolation, handed_fds)
+            shared = before_forking_clones(worker.scratch, worker.tree_isolation, skip)
         if shared and arg.get("shared_memory") == "refuse":
             envs = sorted({type(clone.slot.env.unwrapped).__name__ for clone in plan})
             return {"shared_with_source": shared, "envs": envs}
-        for region in _own_regions(worker):  # what its clones close (looked for once)
-            region.held_fds(skip=handed_fds)
         gc.freeze()  # what lives now is shared with the clones: keep the GC off it
         commit = os.pipe()
         try:
