@@ -25,9 +25,10 @@ layer is every sandbox's shared lower layer). Then:
              host's /tmp, + one step of each
 
 Each (contender, k) runs in a fresh interpreter, contenders interleaved, ``--rounds``
-rounds, each run once the box is idle (under 0.15 busy cores over half a second, 30 s at
-most: what the previous run left, 64 network namespaces to free or GBs of copied pages,
-would be measured with it; ``busy_cores_before`` in the JSON); a run's figure is the
+rounds, each run once the box is idle (under 0.15 busy cores over half a second,
+``--quiet-wait`` 30 s at most: what the previous run left, 64 network namespaces to
+free or GBs of copied pages, would be measured with it; ``busy_cores_before`` in the
+JSON); a run's figure is the
 median of its repetitions, the report gives the median of the rounds with their
 min-max, and the load before and after each round. A workspace the
 source wrote is copied 8 times at most ("copy fork"): 64 copies would be 12.8 GB of tmpfs.
@@ -77,7 +78,7 @@ VM_MATRIX = (
 VM_MEMORY_MB = 512
 REPEATS = {1: 7, 8: 5, 64: 3}  # a microVM row: 3 (its forks are slower under TCG)
 MAX_CHILD_S = 600
-QUIET_CORES, QUIET_WAIT_S = 0.15, 30.0  # wait_quiet()
+QUIET_CORES = 0.15  # wait_quiet()
 
 # Published anchors, as their authors state them (conditions in their words).
 ANCHORS = (
@@ -206,20 +207,23 @@ def busy_cores(window_s: float = 0.5) -> float:
     return (peers.host_cpu()[0] - before) / window_s
 
 
-def wait_quiet() -> float:
-    """Wait (QUIET_WAIT_S at most) until the box is idle, under QUIET_CORES busy over a
+def wait_quiet(seconds: float) -> float:
+    """Wait (``seconds`` at most) until the box is idle, under QUIET_CORES busy over a
     half-second; returns the busy cores of the last window. What a row leaves behind
     (the kernel freeing 64 network namespaces, GBs of copied pages) outlasts its
-    process and would be measured with the next row; the load average lags by a minute."""
-    deadline = time.monotonic() + QUIET_WAIT_S
+    process and would be measured with the next row; the load average lags by a minute.
+    -1 where ``seconds`` is 0: not waited for, not measured."""
+    if seconds <= 0:
+        return -1.0
+    deadline = time.monotonic() + seconds
     while True:
         busy = busy_cores()
         if busy < QUIET_CORES or time.monotonic() >= deadline:
             return busy
 
 
-def run_child(contender: str, copies: int, where: str, mb: int, files: int) -> dict:
-    busy = wait_quiet()
+def run_child(contender: str, copies: int, where: str, mb: int, files: int, quiet_s: float) -> dict:
+    busy = wait_quiet(quiet_s)
     args = [sys.executable, __file__, "--one", contender, str(copies), where]
     args += ["--mb", str(mb), "--files", str(files)]
     done = subprocess.run(
@@ -245,6 +249,9 @@ def main() -> None:
         default="",
     )
     parser.add_argument("--copies", help="only these numbers of copies, comma-separated (1,8,64)")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=30.0, help="seconds a run waits for an idle box"
+    )
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -263,7 +270,9 @@ def main() -> None:
             key = f"{contender} x{copies} {where}"
             vm = contender == "vm fork"  # the guest's workspace lives in its RAM: smaller
             mb, files = (args.vm_mb, args.vm_files) if vm else (args.mb, args.files)
-            runs.setdefault(key, []).append(run_child(contender, copies, where, mb, files))
+            runs.setdefault(key, []).append(
+                run_child(contender, copies, where, mb, files, args.quiet_wait)
+            )
         loads.append({"round": r, "load_before": before, "load_after": load()})
         print(f"round {r}: load {before:.2f} -> {load():.2f}", flush=True)
     table = {}

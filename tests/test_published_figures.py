@@ -132,7 +132,7 @@ def test_the_agent_workspace_benchmark_becomes_figures(tmp_path: Path) -> None:
     out = tmp_path / "agent.json"
     script = ROOT / "benchmarks" / "agent_workspace.py"
     argv = [sys.executable, str(script), "--rounds", "1", "--contenders", "fork", "--copies"]
-    argv += ["1", "--mb", "1", "--files", "20", "--json", str(out)]
+    argv += ["1", "--mb", "1", "--files", "20", "--quiet-wait", "0", "--json", str(out)]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     found = figures.from_agent_workspace(json.loads(out.read_text()))
