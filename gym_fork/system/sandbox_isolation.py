@@ -304,12 +304,11 @@ def before_forking_clones(
     # One pass over its fds: its /tmp and /dev/shm files, and memfds it holds (shared
     # memory a clone would share through the fd, mapped or not).
     listed, stuck = snapshot.private_files((*snapshot.PRIVATE_PREFIXES, "/memfd:"), handed)
-    memfds = [p for p in stuck if p.startswith("/memfd:")]
+    memfds = [p for p in (*(p for _fd, p in listed), *stuck) if p.startswith("/memfd:")]
+    files = [(fd, p) for fd, p in listed if not p.startswith("/memfd:")]
+    stuck = [p for p in stuck if not p.startswith("/memfd:")]
     if _PRIVATE_WRITES_FD is None:
         files, stuck = [], []
-    else:
-        files = [(fd, p) for fd, p in listed if not p.startswith("/memfd:")]
-        stuck = [p for p in stuck if not p.startswith("/memfd:")]
     try:
         shared = snapshot.shared_mappings()  # every fork: ~40 us (1 ms where read as text)
     except OSError as exc:
